@@ -1,0 +1,167 @@
+"""MCP resource-server side: verify the IdP's JWT access tokens (spec/DIGEST.md §6).
+
+Signature with joserfc against the issuer's JWKS and a fixed algorithm allow-list (never `none`,
+never HMAC for an asymmetric IdP); `exp`, `iss`, `aud` (= the broker's canonical /mcp URL) and the
+identity claim are required. Verified tokens are cached by digest until they expire, so a client
+reusing its token pays for the signature check once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from joserfc import jws, jwt
+from joserfc.errors import JoseError
+from joserfc.jwt import JWTClaimsRegistry
+
+from app.auth.jwks import JwksCache, JwksUnavailable
+from app.auth.principal import McpCaller, Principal
+
+logger = logging.getLogger("broker.auth")
+
+MAX_TOKEN_LENGTH = 16 * 1024
+CACHE_SIZE = 10_000
+LEEWAY_SECONDS = 60
+
+
+class InvalidToken(Exception):
+    """The bearer token is missing, malformed, expired or not for us. `reason` is for logs."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class IdpUnavailable(Exception):
+    """The IdP's keys could not be fetched and none are cached."""
+
+
+@dataclass(frozen=True)
+class _Verified:
+    caller: McpCaller
+    expires_at: float
+
+
+class TokenVerifier:
+    def __init__(
+        self,
+        *,
+        issuer: str,
+        audience: str,
+        identity_claim: str,
+        algorithms: tuple[str, ...],
+        jwks: JwksCache,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._issuer = issuer
+        self._audience = audience
+        self._identity_claim = identity_claim
+        self._algorithms = list(algorithms)
+        self._jwks = jwks
+        self._clock = clock
+        self._claims = JWTClaimsRegistry(
+            now=lambda: int(self._clock()),
+            leeway=LEEWAY_SECONDS,
+            iss={"essential": True, "value": issuer},
+            aud={"essential": True, "value": audience},
+            exp={"essential": True},
+            **{identity_claim: {"essential": True}},  # type: ignore[arg-type]
+        )
+        self._cache: OrderedDict[bytes, _Verified] = OrderedDict()
+
+    async def verify(self, token: str) -> McpCaller:
+        """Return the caller a valid access token stands for.
+
+        Raises:
+            InvalidToken: anything wrong with the token.
+            IdpUnavailable: the IdP's keys are unknown and unreachable.
+        """
+        if not token or len(token) > MAX_TOKEN_LENGTH:
+            raise InvalidToken("length")
+        key = hashlib.sha256(token.encode()).digest()
+        cached = self._cache.get(key)
+        now = self._clock()
+        if cached is not None and cached.expires_at > now - LEEWAY_SECONDS:
+            self._cache.move_to_end(key)
+            return cached.caller
+        verified = await self._verify(token)
+        self._cache[key] = verified
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return verified.caller
+
+    async def _verify(self, token: str) -> _Verified:
+        try:
+            header = jws.extract_compact(token.encode()).protected
+        except (JoseError, ValueError, UnicodeDecodeError):
+            raise InvalidToken("malformed") from None
+        if header.get("alg") not in self._algorithms:
+            raise InvalidToken("algorithm")
+        kid = header.get("kid")
+        try:
+            keys = await self._jwks.keys_for(kid if isinstance(kid, str) else None)
+        except JwksUnavailable:
+            raise IdpUnavailable() from None
+        try:
+            decoded = jwt.decode(token, keys, algorithms=self._algorithms)
+            self._claims.validate(decoded.claims)
+        except (JoseError, ValueError, TypeError) as exc:
+            raise InvalidToken(type(exc).__name__) from None
+        claims = decoded.claims
+        subject = claims.get(self._identity_claim)
+        if not isinstance(subject, str) or not subject:
+            raise InvalidToken("identity_claim")
+        client_id = claims.get("client_id") or claims.get("azp") or ""
+        return _Verified(
+            caller=McpCaller(
+                principal=Principal(issuer=self._issuer, subject=subject),
+                client_id=str(client_id)[:255],
+                scopes=_scopes(claims),
+            ),
+            expires_at=float(claims["exp"]),
+        )
+
+
+def _scopes(claims: dict[str, object]) -> frozenset[str]:
+    scope = claims.get("scope")
+    if isinstance(scope, str):
+        return frozenset(scope.split())
+    scp = claims.get("scp")
+    if isinstance(scp, list):
+        return frozenset(str(item) for item in scp)
+    if isinstance(scp, str):
+        return frozenset(scp.split())
+    return frozenset()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer …` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def challenge(
+    resource_metadata_url: str,
+    *,
+    error: str | None = None,
+    scope: str = "",
+    description: str | None = None,
+) -> str:
+    """A `WWW-Authenticate` value (RFC 6750 §3, RFC 9728 §5.1)."""
+    parts = [f'resource_metadata="{resource_metadata_url}"']
+    if error:
+        parts.insert(0, f'error="{error}"')
+    if scope:
+        parts.append(f'scope="{scope}"')
+    if description:
+        parts.append(f'error_description="{description}"')
+    return "Bearer " + ", ".join(parts)

@@ -1,0 +1,218 @@
+"""The broker's own OIDC login at the MCP identity provider (code + PKCE S256 + nonce).
+
+GET /login stores (state, nonce, PKCE verifier, return path) sealed in a short-lived `__Host-`
+pre-login cookie: the callback only proceeds when its `state` matches that cookie, so a login
+response cannot be planted in another browser (login CSRF, SECURITY.md T4/D9). The ID token is
+verified with joserfc (issuer, audience = our login client, expiry, nonce); the identity is
+(issuer, configured identity claim), exactly as for MCP access tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import httpx2
+from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
+from fastapi import APIRouter, Request
+from joserfc import jwt
+from joserfc.errors import JoseError
+from joserfc.jwt import JWTClaimsRegistry
+from starlette.responses import RedirectResponse, Response
+
+from app.auth.browser import LOGIN_COOKIE, same_origin_post, set_cookie
+from app.auth.jwks import JwksUnavailable
+from app.auth.principal import Principal
+from app.clock import utcnow
+from app.crypto import InvalidSeal, constant_time_equal, random_token, seal, unseal
+from app.deps import RuntimeDep, SessionDep
+from app.errors import BadLogin, CsrfFailed, ServiceUnavailable
+from app.templating import render
+
+if TYPE_CHECKING:
+    from app.runtime import Runtime
+
+logger = logging.getLogger("broker.security")
+router = APIRouter(include_in_schema=False)
+
+LOGIN_TTL_SECONDS = 600
+TOKEN_DEADLINE_SECONDS = 10
+SAFE_NEXT = re.compile(r"^/(connect/[A-Za-z0-9_-]{43}|connections)$")
+MAX_PARAM_LENGTH = 2048
+
+
+def safe_next(value: str | None) -> str:
+    """Only server-known local paths are accepted as a return target (open redirects, T11)."""
+    return value if value and SAFE_NEXT.match(value) else "/connections"
+
+
+@router.get("/login", name="login:start")
+async def login(request: Request, runtime: RuntimeDep) -> Response:
+    metadata = await _metadata(runtime)
+    state, nonce, verifier = random_token(), random_token(), random_token() + random_token()
+    async with _client(runtime) as client:
+        url, _ = client.create_authorization_url(
+            str(metadata["authorization_endpoint"]),
+            state=state,
+            nonce=nonce,
+            code_verifier=verifier,
+        )
+    record = {
+        "s": state,
+        "n": nonce,
+        "v": verifier,
+        "next": safe_next(request.query_params.get("next")),
+    }
+    response = RedirectResponse(url, status_code=303)
+    set_cookie(
+        response,
+        LOGIN_COOKIE,
+        seal(json.dumps(record).encode(), purpose="login:v1", keys=runtime.sealing_keys),
+        max_age=LOGIN_TTL_SECONDS,
+    )
+    return response
+
+
+@router.get("/login/callback", name="login:callback")
+async def login_callback(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
+    params = request.query_params
+    record = _login_record(request, runtime)
+    state = params.get("state", "")
+    if (
+        record is None
+        or len(state) > MAX_PARAM_LENGTH
+        or not constant_time_equal(state, str(record.get("s", "")))
+    ):
+        logger.warning("login.state_invalid")
+        raise BadLogin()
+    if "error" in params:
+        raise BadLogin(
+            "Sign-in was cancelled or refused by the identity provider.",
+            next_step="Open the link from your MCP client again to retry.",
+        )
+    code = params.get("code", "")
+    if not code or len(code) > MAX_PARAM_LENGTH:
+        raise BadLogin()
+    claims = await _exchange(runtime, code=code, verifier=str(record["v"]))
+    _check_id_token(runtime, claims, nonce=str(record["n"]))
+    identity_claim = runtime.settings.identity.identity_claim
+    response = RedirectResponse(str(record["next"]), status_code=303)
+    response.delete_cookie(LOGIN_COOKIE, path="/", secure=True, httponly=True, samesite="lax")
+    await runtime.browser_sessions.start(
+        session,
+        response,
+        principal=Principal(runtime.settings.identity.issuer, str(claims[identity_claim])),
+        display_name=_display_name(claims),
+        auth_time=_auth_time(claims),
+    )
+    return response
+
+
+@router.post("/logout", name="login:logout")
+async def logout(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
+    if not same_origin_post(request, runtime.settings.public_origin):
+        raise CsrfFailed()
+    user = await runtime.browser_sessions.current(session, request)
+    if user is not None:
+        form = await request.form(max_files=0, max_fields=4)
+        if not runtime.browser_sessions.csrf_valid(user, str(form.get("csrf") or "")):
+            raise CsrfFailed()
+    response = render(request, "login/signed_out.html")
+    await runtime.browser_sessions.end(session, request, response)
+    return response
+
+
+def _login_record(request: Request, runtime: Runtime) -> dict[str, Any] | None:
+    cookie = request.cookies.get(LOGIN_COOKIE)
+    if not cookie or len(cookie) > 4096:
+        return None
+    try:
+        record = json.loads(unseal(cookie, purpose="login:v1", keys=runtime.sealing_keys))
+    except (InvalidSeal, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _client(runtime: Runtime) -> AsyncOAuth2Client:
+    identity = runtime.settings.identity
+    return AsyncOAuth2Client(
+        client_id=identity.login_client_id,
+        client_secret=identity.login_client_secret.get_secret_value() or None,
+        scope="openid profile",
+        redirect_uri=f"{runtime.settings.public_url}/login/callback",
+        code_challenge_method="S256",
+        token_endpoint_auth_method=(
+            "client_secret_basic" if identity.login_client_secret.get_secret_value() else "none"
+        ),
+        timeout=TOKEN_DEADLINE_SECONDS,
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+async def _metadata(runtime: Runtime) -> dict[str, object]:
+    try:
+        metadata: dict[str, object] = await runtime.issuer.metadata()
+    except JwksUnavailable:
+        raise ServiceUnavailable() from None
+    return metadata
+
+
+async def _exchange(runtime: Runtime, *, code: str, verifier: str) -> dict[str, Any]:
+    metadata = await _metadata(runtime)
+    try:
+        async with asyncio.timeout(TOKEN_DEADLINE_SECONDS), _client(runtime) as client:
+            token = await client.fetch_token(
+                str(metadata["token_endpoint"]), code=code, code_verifier=verifier
+            )
+        id_token = token.get("id_token")
+        if not isinstance(id_token, str):
+            raise BadLogin()
+        keys = await runtime.issuer.keys_for(jwt.extract(id_token).header.get("kid"))
+        decoded = jwt.decode(id_token, keys, algorithms=list(runtime.settings.identity.algorithms))
+    except (OAuthError, httpx2.HTTPError, TimeoutError) as exc:
+        logger.warning("login.token_exchange_failed error=%s", type(exc).__name__)
+        raise BadLogin() from None
+    except (JoseError, ValueError, JwksUnavailable) as exc:
+        logger.warning("login.id_token_invalid error=%s", type(exc).__name__)
+        raise BadLogin() from None
+    return dict(decoded.claims)
+
+
+def _check_id_token(runtime: Runtime, claims: dict[str, Any], *, nonce: str) -> None:
+    identity = runtime.settings.identity
+    registry = JWTClaimsRegistry(
+        leeway=60,
+        iss={"essential": True, "value": identity.issuer},
+        aud={"essential": True, "value": identity.login_client_id},
+        exp={"essential": True},
+        nonce={"essential": True, "value": nonce},
+    )
+    try:
+        registry.validate(claims)
+    except JoseError as exc:
+        logger.warning("login.id_token_invalid error=%s", type(exc).__name__)
+        raise BadLogin() from None
+    subject = claims.get(identity.identity_claim)
+    if not isinstance(subject, str) or not subject:
+        logger.warning("login.identity_claim_missing claim=%s", identity.identity_claim)
+        raise BadLogin()
+
+
+def _display_name(claims: dict[str, Any]) -> str | None:
+    for key in ("preferred_username", "name", "sub"):
+        value = claims.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _auth_time(claims: dict[str, Any]) -> datetime:
+    value = claims.get("auth_time")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value, tz=utcnow().tzinfo)
+    return utcnow()

@@ -1,0 +1,247 @@
+"""The `connect-broker` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.config import (
+    ConfigError,
+    Settings,
+    config_path,
+    load_settings,
+    require_serve_ready,
+)
+from app.crypto import generate_key
+
+DATA_DIR = Path("data")
+DEV_STATE = DATA_DIR / "dev.json"
+DEV_IDP_KEY = DATA_DIR / "dev-idp-key.json"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.handler(args)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="connect-broker", description=__doc__)
+    parser.add_argument("--config", help="TOML file (default: $BROKER_CONFIG or ./broker.toml)")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the broker")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1)
+    serve.set_defaults(handler=_serve)
+
+    dev = commands.add_parser("dev", help="loopback playground with a development IdP")
+    dev.add_argument("--port", type=int, default=8000)
+    dev.set_defaults(handler=_dev)
+
+    token = commands.add_parser("dev-token", help="print a bearer token for the dev playground")
+    token.add_argument("user")
+    token.set_defaults(handler=_dev_token)
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
+    migrate.set_defaults(handler=_migrate)
+
+    check = commands.add_parser("check-config", help="validate the configuration")
+    check.set_defaults(handler=_check_config)
+
+    keys = commands.add_parser("keys", help="key management")
+    key_commands = keys.add_subparsers(required=True, metavar="ACTION")
+    generate = key_commands.add_parser("generate", help="print a fresh [keys] block")
+    generate.set_defaults(handler=_keys_generate)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(config_path(args.config))
+    require_serve_ready(settings)
+    return settings
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.migrate import is_current
+
+    settings = _settings(args)
+    if not is_current(settings.database.url):
+        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
+    _configure_logging()
+    if args.config:
+        os.environ["BROKER_CONFIG"] = args.config
+    uvicorn.run(
+        "app.asgi:create_served_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        access_log=False,
+        server_header=False,
+        log_config=None,
+    )
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from app.migrate import upgrade
+
+    settings = load_settings(config_path(args.config))
+    upgrade(settings.database.url)
+    print("database schema is current")  # noqa: T201
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    print(  # noqa: T201
+        f"configuration OK ({settings.source}): public_url {settings.public_url}, "
+        f"issuer {settings.identity.issuer}, {len(settings.providers)} provider(s)"
+    )
+    return 0
+
+
+def _keys_generate(_args: argparse.Namespace) -> int:
+    suffix = secrets.token_hex(3)
+    print("[keys]")  # noqa: T201
+    print(f'signing = ["{generate_key("s-" + suffix)}"]')  # noqa: T201
+    print(f'encryption = ["{generate_key("e-" + suffix)}"]')  # noqa: T201
+    return 0
+
+
+def _dev_state(port: int | None) -> dict[str, Any]:
+    """The playground's generated secrets and URL, kept in ./data (0600) across runs."""
+    DATA_DIR.mkdir(exist_ok=True)
+    state: dict[str, Any] = json.loads(DEV_STATE.read_text()) if DEV_STATE.exists() else {}
+    if not state:
+        state = {
+            "signing": generate_key("dev-s1"),
+            "encryption": generate_key("dev-e1"),
+            "login_secret": secrets.token_urlsafe(32),
+            "port": 8000,
+        }
+    if port is not None:
+        state["port"] = port
+    descriptor = os.open(DEV_STATE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(state, handle)
+    return state
+
+
+def _dev_settings(state: dict[str, Any]) -> Settings:
+    from app.auth.dev_idp import DEV_CLIENT_ID
+
+    public_url = f"http://127.0.0.1:{state['port']}"
+    return load_settings(
+        None,
+        environ={},
+        overrides={
+            "server.public_url": public_url,
+            "server.allowed_origins": [f"http://localhost:{state['port']}"],
+            "database.url": f"sqlite:///{DATA_DIR / 'dev.db'}",
+            "identity.issuer": f"{public_url}/dev-idp",
+            "identity.login_client_id": DEV_CLIENT_ID,
+            "identity.login_client_secret": state["login_secret"],
+            "keys.signing": [state["signing"]],
+            "keys.encryption": [state["encryption"]],
+            "providers.demo": {
+                "kind": "api_key",
+                "display_name": "Demo service",
+                "label": "API key",
+                "pattern": r"^demo_[A-Za-z0-9]{6,64}$",
+            },
+        },
+    )
+
+
+def _dev_idp(settings: Settings, state: dict[str, Any]) -> Any:
+    from app.auth.dev_idp import DevIdentityProvider
+
+    return DevIdentityProvider(
+        issuer=settings.identity.issuer,
+        audience=settings.audience,
+        key_path=DEV_IDP_KEY,
+        client_secret=state["login_secret"],
+    )
+
+
+def _dev(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from app.migrate import upgrade
+
+    state = _dev_state(args.port)
+    settings = _dev_settings(state)
+    upgrade(settings.database.url)
+    idp = _dev_idp(settings, state)
+    _configure_logging()
+    token = idp.mint("alice")
+    print(_dev_banner(settings, token), flush=True)  # noqa: T201
+    app = create_app(settings, dev_idp=idp)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        access_log=False,
+        log_config=None,
+        server_header=False,
+    )
+    return 0
+
+
+def _dev_token(args: argparse.Namespace) -> int:
+    state = _dev_state(None)
+    settings = _dev_settings(state)
+    print(_dev_idp(settings, state).mint(args.user))  # noqa: T201
+    return 0
+
+
+def _dev_banner(settings: Settings, token: str) -> str:
+    snippet = json.dumps(
+        {
+            "mcpServers": {
+                "connect-broker-dev": {
+                    "type": "http",
+                    "url": settings.mcp_url,
+                    "headers": {"Authorization": f"Bearer {token}"},
+                }
+            }
+        },
+        indent=2,
+    )
+    return "\n".join(
+        [
+            "Connect Broker development playground (DEVELOPMENT IDENTITY PROVIDER: any user name)",
+            f"  MCP endpoint : {settings.mcp_url}",
+            f"  Bearer token for 'alice' (12 h): {token}",
+            "  Another user : connect-broker dev-token bob",
+            "  Demo provider: 'demo' (API keys look like demo_abc123)",
+            "  Client configuration:",
+            snippet,
+        ]
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""Process configuration: one TOML file, every key overridable from the environment.
+
+The file comes from `--config PATH`, else `BROKER_CONFIG`, else `./broker.toml` (optional).
+`BROKER_<SECTION>_<KEY>` overrides `[section] key`; for providers the variable is
+`BROKER_PROVIDERS_<NAME>_<KEY>`. A key ending in `_file` names a file whose content is the value
+of the key without the suffix (for secrets mounted as files). Errors name the offending key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from app.providers.settings import ProviderSettings, provider_settings_adapter
+
+SECTIONS = ("server", "database", "identity", "keys")
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; the message names the key and says why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Section):
+    public_url: str = "http://127.0.0.1:8000"
+    allowed_origins: tuple[str, ...] = ()
+    retry_wait_seconds: float = Field(default=20, ge=0, le=120)
+    flow_ttl_seconds: int = Field(default=600, ge=60, le=3600)
+    max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=16 * 1024 * 1024)
+    login_max_age_seconds: int = Field(default=12 * 3600, ge=60)
+    session_ttl_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str) -> str:
+        return validate_public_url(value)
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in value:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+                raise ValueError(f"{origin!r} is not an origin like https://host[:port]")
+        return value
+
+
+class DatabaseSettings(_Section):
+    url: str = "sqlite:///./data/broker.db"
+    pool_size: int = Field(default=10, ge=1, le=100)
+
+
+class IdentitySettings(_Section):
+    issuer: str = ""
+    audience: str = ""
+    identity_claim: str = "sub"
+    login_client_id: str = ""
+    login_client_secret: SecretStr = SecretStr("")
+    required_scopes: tuple[str, ...] = ()
+    algorithms: tuple[str, ...] = ("RS256", "PS256", "ES256", "EdDSA")
+
+
+class KeySettings(_Section):
+    signing: tuple[SecretStr, ...] = ()
+    encryption: tuple[SecretStr, ...] = ()
+
+    @field_validator("signing", "encryption")
+    @classmethod
+    def _keys(cls, value: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        for key in value:
+            if not KEY_PATTERN.match(key.get_secret_value()):
+                raise ValueError(
+                    'each key must be "<key-id>:<base64url of 32 random bytes>" '
+                    "(run `connect-broker keys generate`)"
+                )
+        ids = [key.get_secret_value().split(":", 1)[0] for key in value]
+        if len(set(ids)) != len(ids):
+            raise ValueError("key ids must be unique")
+        return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The validated configuration. Built once at start-up and never changed."""
+
+    server: ServerSettings
+    database: DatabaseSettings
+    identity: IdentitySettings
+    keys: KeySettings
+    providers: Mapping[str, ProviderSettings]
+    source: str = "defaults"
+
+    @property
+    def public_url(self) -> str:
+        return self.server.public_url
+
+    @property
+    def mcp_url(self) -> str:
+        return f"{self.public_url}/mcp"
+
+    @property
+    def audience(self) -> str:
+        return self.identity.audience or self.mcp_url
+
+    @property
+    def public_origin(self) -> str:
+        parts = urlsplit(self.public_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def is_https(self) -> bool:
+        return self.public_url.startswith("https://")
+
+
+def validate_public_url(value: str) -> str:
+    """Accept only an absolute http(s) origin-plus-path we can safely put in elicitation URLs."""
+    if not value.isascii():
+        raise ValueError("must be ASCII (a look-alike host is refused; use the punycode form?)")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an absolute http(s) URL")
+    if parts.username or parts.password:
+        raise ValueError("must not contain user info")
+    if parts.query or parts.fragment or value.endswith(("?", "#")):
+        raise ValueError("must not contain a query or fragment")
+    if any(label.startswith("xn--") for label in parts.hostname.split(".")):
+        raise ValueError("punycode (xn--) hosts are refused: they can imitate another name")
+    if parts.scheme == "http" and not _is_loopback(parts.hostname):
+        raise ValueError("must use https (http is allowed only for loopback hosts)")
+    return value.rstrip("/")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_path(explicit: str | None) -> Path | None:
+    """The file to read: the explicit path, else BROKER_CONFIG, else ./broker.toml if present."""
+    if explicit:
+        return Path(explicit)
+    if env := os.environ.get("BROKER_CONFIG"):
+        return Path(env)
+    default = Path("broker.toml")
+    return default if default.exists() else None
+
+
+def load_settings(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Read, merge and validate the configuration.
+
+    Raises:
+        ConfigError: naming the bad key.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    _apply_environment(raw, os.environ if environ is None else environ)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    _resolve_files(raw)
+    return _validate(raw, source=str(path) if path else "defaults")
+
+
+def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
+    providers = {name.upper(): name for name in raw.get("providers", {})}
+    for variable, value in environ.items():
+        if not variable.startswith("BROKER_") or variable == "BROKER_CONFIG":
+            continue
+        rest = variable.removeprefix("BROKER_")
+        section, _, key = rest.partition("_")
+        section = section.lower()
+        if section == "providers":
+            name_and_key = key
+            match = next(
+                (
+                    upper
+                    for upper in sorted(providers, key=len, reverse=True)
+                    if name_and_key.startswith(upper + "_")
+                ),
+                None,
+            )
+            if match is None:
+                raise ConfigError(f"{variable}: no provider section named in the config file")
+            _set_dotted(
+                raw,
+                f"providers.{providers[match]}.{name_and_key[len(match) + 1 :].lower()}",
+                _env_value(value),
+            )
+        elif section in SECTIONS and key:
+            _set_dotted(raw, f"{section}.{key.lower()}", _env_value(value))
+        else:
+            raise ConfigError(f"{variable}: unknown setting (expected BROKER_<SECTION>_<KEY>)")
+
+
+def _env_value(value: str) -> Any:
+    """Environment values are strings; a JSON list or a comma list becomes a list."""
+    stripped = value.strip()
+    if stripped.startswith("["):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a table")
+        node = child
+    node[leaf] = value
+
+
+def _resolve_files(raw: dict[str, Any], prefix: str = "") -> None:
+    for key in [k for k in raw if isinstance(k, str)]:
+        value = raw[key]
+        if isinstance(value, dict):
+            _resolve_files(value, f"{prefix}{key}.")
+        elif key.endswith("_file") and isinstance(value, str):
+            try:
+                raw[key.removesuffix("_file")] = Path(value).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(f"{prefix}{key}: cannot read {value}: {exc.strerror}") from None
+            del raw[key]
+
+
+LIST_KEYS = {
+    ("server", "allowed_origins"),
+    ("identity", "required_scopes"),
+    ("identity", "algorithms"),
+    ("keys", "signing"),
+    ("keys", "encryption"),
+}
+
+
+def _validate(raw: dict[str, Any], *, source: str) -> Settings:
+    unknown = set(raw) - {*SECTIONS, "providers"}
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown section")
+    sections: dict[str, Any] = {}
+    models: dict[str, type[_Section]] = {
+        "server": ServerSettings,
+        "database": DatabaseSettings,
+        "identity": IdentitySettings,
+        "keys": KeySettings,
+    }
+    for name, model in models.items():
+        values = dict(raw.get(name, {}))
+        for key, value in values.items():
+            if (name, key) in LIST_KEYS and isinstance(value, str):
+                values[key] = [item.strip() for item in value.split(",") if item.strip()]
+        sections[name] = _parse(model, values, name)
+    providers: dict[str, ProviderSettings] = {}
+    for name, values in raw.get("providers", {}).items():
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
+            raise ConfigError(f"providers.{name}: names are lowercase letters, digits, - and _")
+        try:
+            providers[name] = provider_settings_adapter.validate_python(values)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, f"providers.{name}")) from None
+    return Settings(source=source, providers=providers, **sections)
+
+
+def _parse(model: type[_Section], values: dict[str, Any], name: str) -> Any:
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, name)) from None
+
+
+def _describe(exc: ValidationError, prefix: str) -> str:
+    error = exc.errors()[0]
+    location = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
+    key = f"{prefix}.{location}" if location else prefix
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{key}: {message}"
+
+
+Mode = Literal["serve", "dev"]
+
+
+def require_serve_ready(settings: Settings) -> None:
+    """Checks `serve` needs beyond syntax: an issuer, a login client and keys.
+
+    Raises:
+        ConfigError: naming the missing key.
+    """
+    identity = settings.identity
+    if not identity.issuer:
+        raise ConfigError("identity.issuer: required (the IdP whose tokens /mcp accepts)")
+    try:
+        validate_public_url(identity.issuer)
+    except ValueError as exc:
+        raise ConfigError(f"identity.issuer: {exc}") from None
+    if not identity.login_client_id:
+        raise ConfigError("identity.login_client_id: required (the broker's own login client)")
+    if not settings.keys.signing:
+        raise ConfigError("keys.signing: at least one key is required")
+    if not settings.keys.encryption:
+        raise ConfigError("keys.encryption: at least one key is required")

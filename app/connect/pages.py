@@ -1,0 +1,248 @@
+"""Out-of-band pages: open a connect link, enter an API key, decline, list connections.
+
+Every page first requires the broker's own login, then checks that the browser's identity is the
+flow's (MCP elicitation §Phishing): a forwarded link shows a refusal and changes nothing. GET never
+moves a flow; POSTs need the session's CSRF token and a same-origin request, and end in a 303 to
+`GET /connect/{flow_id}`, which shows the form or the flow's outcome.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.responses import RedirectResponse, Response
+
+from app import credentials
+from app.auth.browser import BrowserUser, same_origin_post
+from app.connect import service as flows
+from app.connect.service import FlowView
+from app.deps import RuntimeDep, SessionDep
+from app.errors import CsrfFailed, Forbidden, NotFound, PayloadTooLarge
+from app.models import OPEN_FLOW_STATUSES, FlowStatus
+from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
+from app.providers.settings import ApiKeyProviderSettings
+from app.runtime import Runtime
+from app.templating import render
+
+router = APIRouter(include_in_schema=False)
+
+FLOW_ID = re.compile(r"^[A-Za-z0-9_-]{43}$")
+MAX_FORM_BYTES = 16 * 1024
+OUTCOME_STATUS = {FlowStatus.expired: 410, FlowStatus.failed: 200}
+
+
+class WrongAccount(Forbidden):
+    code = "wrong_user"
+    title = "This link belongs to a different account"
+    message = (
+        "This connect link was started by a different account than the one you are signed in "
+        "with. Nothing was changed."
+    )
+    next_step = "Sign out and sign in with the account you use in your MCP client."
+
+
+class SignInRequired(Forbidden):
+    code = "sign_in_required"
+    title = "Please sign in"
+    message = "You need to be signed in to do this."
+    next_step = "Open the link from your MCP client again."
+
+
+def _login_redirect(path: str) -> Response:
+    return RedirectResponse(f"/login?next={quote(path, safe='/')}", status_code=303)
+
+
+async def _flow_for(
+    runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
+) -> FlowView:
+    if not FLOW_ID.match(flow_id):
+        raise NotFound()
+    flow = await flows.get(session, flow_id=flow_id)
+    if flow is None:
+        raise NotFound()
+    if flow.principal != user.principal:
+        runtime.audit("connect.identity_mismatch", flow_id=flow.id)
+        raise WrongAccount(
+            page={"show_logout": True, "csrf_token": runtime.browser_sessions.csrf_token(user)}
+        )
+    return flow
+
+
+async def _posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> dict[str, str]:
+    if not same_origin_post(request, runtime.settings.public_origin):
+        raise CsrfFailed()
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
+        raise PayloadTooLarge()
+    form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
+    values = {key: str(value) for key, value in form.items()}
+    if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
+        raise CsrfFailed()
+    return values
+
+
+@router.get("/connect/{flow_id}", name="connect:page")
+async def connect_page(
+    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        if not FLOW_ID.match(flow_id):
+            raise NotFound()
+        return _login_redirect(f"/connect/{flow_id}")
+    flow = await _flow_for(runtime, session, flow_id, user)
+    return _show(request, runtime, flow, user)
+
+
+def _show(
+    request: Request,
+    runtime: Runtime,
+    flow: FlowView,
+    user: BrowserUser,
+    *,
+    error: str | None = None,
+    status_code: int = 200,
+) -> Response:
+    provider = runtime.settings.providers.get(flow.provider)
+    context = {
+        "flow_id": flow.id,
+        "provider_name": provider.display_name if provider else flow.provider,
+        "client_name": flow.client_name or flow.client_id or "your MCP client",
+        "client_id": flow.client_id,
+        "user_name": user.display_name or user.principal.subject,
+        "csrf_token": runtime.browser_sessions.csrf_token(user),
+        "account_label": flow.account_label,
+    }
+    outcome = flow.outcome
+    if outcome in OPEN_FLOW_STATUSES and isinstance(provider, ApiKeyProviderSettings):
+        return render(
+            request,
+            "connect/api_key.html",
+            status_code=status_code,
+            label=provider.label,
+            help_url=provider.help_url,
+            error=error,
+            **context,
+        )
+    return render(
+        request,
+        "connect/outcome.html",
+        status_code=OUTCOME_STATUS.get(outcome, 200),
+        outcome="completed" if outcome == FlowStatus.consumed else outcome,
+        **context,
+    )
+
+
+@router.post("/connect/{flow_id}/api-key", name="connect:api_key")
+async def submit_api_key(
+    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        raise SignInRequired()
+    values = await _posted_form(request, runtime, user)
+    flow = await _flow_for(runtime, session, flow_id, user)
+    provider = runtime.settings.providers.get(flow.provider)
+    if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
+        raise Forbidden("This form does not accept those fields.")
+    if not flow.is_open:
+        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    try:
+        key = check_shape(provider, values.get("api_key", ""))
+        await probe(provider, key, http=runtime.http)
+    except KeyRejected as rejected:
+        return _show(request, runtime, flow, user, error=rejected.message, status_code=400)
+    except ProbeUnavailable:
+        return _show(
+            request,
+            runtime,
+            flow,
+            user,
+            status_code=502,
+            error=f"{provider.display_name} could not be reached to check the key. Try again.",
+        )
+    won = await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=user.principal,
+        from_statuses=OPEN_FLOW_STATUSES,
+        to_status=FlowStatus.completed,
+    )
+    if won:  # the credential and the completion commit together, or not at all
+        await credentials.store(
+            session,
+            keys=runtime.sealing_keys,
+            principal=user.principal,
+            provider=flow.provider,
+            audience=flow.audience,
+            secret={"api_key": key},
+        )
+        await runtime.notifier.publish(session, flow.id)
+        runtime.audit("credential.stored", flow_id=flow.id)
+    return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+
+
+@router.post("/connect/{flow_id}/decline", name="connect:decline")
+async def decline(
+    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        raise SignInRequired()
+    await _posted_form(request, runtime, user)
+    flow = await _flow_for(runtime, session, flow_id, user)
+    if await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=user.principal,
+        from_statuses=OPEN_FLOW_STATUSES,
+        to_status=FlowStatus.declined,
+        state_digest=None,
+        sealed_pkce_verifier=None,
+    ):
+        await runtime.notifier.publish(session, flow.id)
+    return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+
+
+@router.get("/connections", name="connections:list")
+async def connections_page(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        return _login_redirect("/connections")
+    rows = await credentials.list_for(session, principal=user.principal, audience="mcp")
+    providers = runtime.settings.providers
+    return render(
+        request,
+        "connections.html",
+        user_name=user.display_name or user.principal.subject,
+        csrf_token=runtime.browser_sessions.csrf_token(user),
+        connections=[
+            {
+                "provider": row.provider,
+                "provider_name": p.display_name
+                if (p := providers.get(row.provider))
+                else row.provider,
+                "account": row.account_label,
+                "status": row.status,
+                "connected_at": row.connected_at.strftime("%Y-%m-%d %H:%M UTC"),
+            }
+            for row in rows
+        ],
+    )
+
+
+@router.post("/connections/{provider}/disconnect", name="connections:disconnect")
+async def disconnect(
+    request: Request, provider: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        raise SignInRequired()
+    await _posted_form(request, runtime, user)
+    if provider not in runtime.settings.providers:
+        raise NotFound("There is no such provider.", next_step="Go back to your connections.")
+    await credentials.remove(session, principal=user.principal, provider=provider, audience="mcp")
+    return RedirectResponse("/connections", status_code=303)

@@ -1,0 +1,222 @@
+"""Connect-flow lifecycle. Every transition is one conditional UPDATE, so double clicks, replays
+and races have exactly one winner (DESIGN.md §5):
+
+    pending ─api key─▶ completed ─retry─▶ consumed
+    pending|authorizing|exchanging ─decline/cancel─▶ declined|cancelled
+    pending|authorizing|exchanging ─expires_at─▶ expired (purged later)
+
+A flow is bound to (issuer, subject, client id, provider, tool, argument digest) when created; only
+that principal can read or move it. Flow ids are 256-bit random and carry no authority.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.auth.principal import McpCaller, Principal
+from app.clock import utcnow
+from app.crypto import random_token
+from app.models import DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
+
+MAX_OPEN_FLOWS_PER_USER = 20
+PURGE_AFTER = timedelta(days=1)
+
+
+class TooManyOpenFlows(Exception):
+    """The user already has the maximum number of unfinished connect links."""
+
+
+@dataclass(frozen=True)
+class FlowView:
+    """A flow as pages and tools may see it (no digests, no sealed values)."""
+
+    id: str
+    principal: Principal
+    client_id: str
+    client_name: str | None
+    audience: str
+    provider: str
+    scopes: tuple[str, ...]
+    status: str
+    account_label: str | None
+    failure: str | None
+    expires_at: datetime
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in OPEN_FLOW_STATUSES and self.expires_at > utcnow()
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in DONE_FLOW_STATUSES
+
+    @property
+    def outcome(self) -> str:
+        """The status a visitor or client should see (an open flow past its expiry is expired)."""
+        if self.status in OPEN_FLOW_STATUSES and self.expires_at <= utcnow():
+            return FlowStatus.expired
+        return self.status
+
+
+def _view(flow: Flow) -> FlowView:
+    return FlowView(
+        id=flow.id,
+        principal=Principal(flow.issuer, flow.subject),
+        client_id=flow.client_id,
+        client_name=flow.client_name,
+        audience=flow.audience,
+        provider=flow.provider,
+        scopes=tuple(flow.scopes.split()),
+        status=flow.status,
+        account_label=flow.account_label,
+        failure=flow.failure,
+        expires_at=flow.expires_at,
+    )
+
+
+async def create(
+    session: AsyncSession,
+    *,
+    caller: McpCaller,
+    client_name: str | None,
+    provider: str,
+    scopes: tuple[str, ...],
+    tool_name: str,
+    args_digest: str,
+    ttl_seconds: int,
+    audience: str = "mcp",
+) -> FlowView:
+    """Start a flow for the caller.
+
+    Raises:
+        TooManyOpenFlows: the caller has too many unfinished flows.
+    """
+    now = utcnow()
+    open_count = await session.scalar(
+        select(func.count())
+        .select_from(Flow)
+        .where(
+            Flow.issuer == caller.principal.issuer,
+            Flow.subject == caller.principal.subject,
+            Flow.status.in_(OPEN_FLOW_STATUSES),
+            Flow.expires_at > now,
+        )
+    )
+    if (open_count or 0) >= MAX_OPEN_FLOWS_PER_USER:
+        raise TooManyOpenFlows()
+    flow = Flow(
+        id=random_token(),
+        issuer=caller.principal.issuer,
+        subject=caller.principal.subject,
+        client_id=caller.client_id,
+        client_name=(client_name or "")[:255] or None,
+        audience=audience,
+        provider=provider,
+        scopes=" ".join(scopes),
+        tool_name=tool_name,
+        args_digest=args_digest,
+        status=FlowStatus.pending,
+        created_at=now,
+        updated_at=now,
+        expires_at=now + timedelta(seconds=ttl_seconds),
+    )
+    session.add(flow)
+    await session.flush()
+    return _view(flow)
+
+
+async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:
+    """The flow by id, for any principal (pages check the identity themselves)."""
+    if not flow_id or len(flow_id) > 64:
+        return None
+    flow = await session.get(Flow, flow_id, populate_existing=True)
+    return _view(flow) if flow is not None else None
+
+
+async def get_for(session: AsyncSession, *, flow_id: str, principal: Principal) -> FlowView | None:
+    """The flow if it belongs to `principal` (used by MCP retries: foreign flows don't exist)."""
+    flow = await get(session, flow_id=flow_id)
+    if flow is None or flow.principal != principal:
+        return None
+    return flow
+
+
+async def transition(
+    session: AsyncSession,
+    *,
+    flow_id: str,
+    principal: Principal,
+    from_statuses: tuple[str, ...],
+    to_status: str,
+    only_unexpired: bool = True,
+    **values: object,
+) -> bool:
+    """Move the flow if (and only if) it is in one of `from_statuses`; True for the winner."""
+    now = utcnow()
+    conditions = [
+        Flow.id == flow_id,
+        Flow.issuer == principal.issuer,
+        Flow.subject == principal.subject,
+        Flow.status.in_(from_statuses),
+    ]
+    if only_unexpired:
+        conditions.append(Flow.expires_at > now)
+    completed = {"completed_at": now} if to_status == FlowStatus.completed else {}
+    result = await session.execute(
+        update(Flow)
+        .where(*conditions)
+        .values(status=to_status, updated_at=now, **completed, **values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
+async def end_by_client(
+    session: AsyncSession, *, flow_id: str, principal: Principal, status: str
+) -> bool:
+    """Declined or cancelled from the MCP client: ends an open flow."""
+    return await transition(
+        session,
+        flow_id=flow_id,
+        principal=principal,
+        from_statuses=OPEN_FLOW_STATUSES,
+        to_status=status,
+        only_unexpired=False,
+        state_digest=None,
+        sealed_pkce_verifier=None,
+    )
+
+
+async def mark_consumed(session: AsyncSession, *, flow_id: str, principal: Principal) -> None:
+    """The client has received the final result (a later identical retry still gets it)."""
+    await transition(
+        session,
+        flow_id=flow_id,
+        principal=principal,
+        from_statuses=(FlowStatus.completed,),
+        to_status=FlowStatus.consumed,
+        only_unexpired=False,
+    )
+
+
+async def purge(session: AsyncSession) -> tuple[int, int]:
+    """Expire open flows past their expiry (dropping their secrets), delete old ones."""
+    now = utcnow()
+    expired = await session.execute(
+        update(Flow)
+        .where(Flow.status.in_(OPEN_FLOW_STATUSES), Flow.expires_at <= now)
+        .values(
+            status=FlowStatus.expired, updated_at=now, state_digest=None, sealed_pkce_verifier=None
+        )
+        .execution_options(synchronize_session=False)
+    )
+    deleted = await session.execute(
+        delete(Flow)
+        .where(Flow.expires_at <= now - PURGE_AFTER)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(expired, "rowcount", 0)), int(getattr(deleted, "rowcount", 0))

@@ -1,0 +1,172 @@
+"""The credential store: the only module that unseals stored credentials.
+
+A credential is sealed (AES-GCM, app/crypto.py) with the purpose
+"cred:v1|<issuer>|<subject>|<provider>|<audience>" as associated data, so a ciphertext copied into
+another user's or provider's row does not open (SECURITY.md I4): such a row is treated as absent,
+logged as `credential.decrypt_failed`, and the next tool call elicits a new connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.auth.principal import Principal
+from app.clock import utcnow
+from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
+from app.models import Connection, ConnectionStatus
+
+logger = logging.getLogger("broker.security")
+
+
+@dataclass(frozen=True)
+class Credential:
+    """A usable third-party credential, handed to tool code only. Never put it in a result."""
+
+    provider: str
+    secret: str = field(repr=False)
+    account_label: str | None
+    scopes: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    """What may be shown about a connection: never the secret."""
+
+    provider: str
+    account_label: str | None
+    status: str
+    scopes: frozenset[str]
+    connected_at: datetime
+
+
+def _purpose(principal: Principal, provider: str, audience: str) -> str:
+    return f"cred:v1|{principal.issuer}|{principal.subject}|{provider}|{audience}"
+
+
+async def store(
+    session: AsyncSession,
+    *,
+    keys: Keyring,
+    principal: Principal,
+    provider: str,
+    audience: str,
+    secret: dict[str, str],
+    scopes: frozenset[str] = frozenset(),
+    account_label: str | None = None,
+    expires_at: datetime | None = None,
+) -> None:
+    """Insert or replace the sealed credential for (principal, provider, audience)."""
+    sealed = seal(
+        json.dumps(secret).encode(), purpose=_purpose(principal, provider, audience), keys=keys
+    )
+    now = utcnow()
+    values = {
+        "issuer": principal.issuer,
+        "subject": principal.subject,
+        "provider": provider,
+        "audience": audience,
+        "status": ConnectionStatus.active,
+        "sealed_credential": sealed,
+        "key_id": sealed_key_id(sealed),
+        "scopes": " ".join(sorted(scopes)),
+        "account_label": account_label,
+        "expires_at": expires_at,
+        "created_at": now,
+        "updated_at": now,
+    }
+    dialect = session.bind.dialect.name if session.bind else "sqlite"
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(Connection).values(**values)
+    update = {
+        k: v
+        for k, v in values.items()
+        if k not in ("issuer", "subject", "provider", "audience", "created_at")
+    }
+    await session.execute(
+        statement.on_conflict_do_update(
+            index_elements=["issuer", "subject", "provider", "audience"], set_=update
+        )
+    )
+
+
+async def load(
+    session: AsyncSession, *, keys: Keyring, principal: Principal, provider: str, audience: str
+) -> Credential | None:
+    """The usable credential, or None when absent, needing re-authorisation or unreadable."""
+    row = (
+        await session.execute(
+            select(Connection).where(
+                Connection.issuer == principal.issuer,
+                Connection.subject == principal.subject,
+                Connection.provider == provider,
+                Connection.audience == audience,
+            )
+        )
+    ).scalar_one_or_none()
+    if row is None or row.status != ConnectionStatus.active:
+        return None
+    try:
+        secret = json.loads(
+            unseal(
+                row.sealed_credential,
+                purpose=_purpose(principal, provider, audience),
+                keys=keys,
+            )
+        )
+    except InvalidSeal:
+        logger.warning("credential.decrypt_failed provider=%s connection=%s", provider, row.id)
+        return None
+    return Credential(
+        provider=provider,
+        secret=str(secret.get("api_key") or secret.get("access_token") or ""),
+        account_label=row.account_label,
+        scopes=frozenset(row.scopes.split()),
+    )
+
+
+async def list_for(
+    session: AsyncSession, *, principal: Principal, audience: str
+) -> list[ConnectionInfo]:
+    rows = (
+        await session.execute(
+            select(Connection)
+            .where(
+                Connection.issuer == principal.issuer,
+                Connection.subject == principal.subject,
+                Connection.audience == audience,
+            )
+            .order_by(Connection.provider)
+        )
+    ).scalars()
+    return [
+        ConnectionInfo(
+            provider=row.provider,
+            account_label=row.account_label,
+            status=row.status,
+            scopes=frozenset(row.scopes.split()),
+            connected_at=row.created_at,
+        )
+        for row in rows
+    ]
+
+
+async def remove(
+    session: AsyncSession, *, principal: Principal, provider: str, audience: str
+) -> bool:
+    """Delete the connection; True if there was one."""
+    result = await session.execute(
+        delete(Connection).where(
+            Connection.issuer == principal.issuer,
+            Connection.subject == principal.subject,
+            Connection.provider == provider,
+            Connection.audience == audience,
+        )
+    )
+    return bool(getattr(result, "rowcount", 0))

@@ -1,0 +1,140 @@
+"""Expected failures of the browser pages and JSON endpoints, rendered per surface.
+
+`/mcp` has its own JSON-RPC errors (app/mcp/protocol.py). Everything else raises a BrokerError
+subclass: browser routes get an HTML page saying what happened and what to do next, the rest gets
+problem JSON (RFC 9457). Internal detail goes to the log with the request id, never to the page.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.templating import render
+
+logger = logging.getLogger("broker.errors")
+
+HTML_PREFIXES = ("/connect/", "/oauth/", "/login", "/logout", "/connections", "/dev-idp")
+
+
+class BrokerError(Exception):
+    """An expected failure we can explain to the caller. Bugs stay ordinary exceptions (500)."""
+
+    status_code: ClassVar[int] = 400
+    code: ClassVar[str] = "bad_request"
+    title: ClassVar[str] = "Something is wrong with this request"
+    message: ClassVar[str] = "The request could not be completed."
+    next_step: ClassVar[str] = "Go back to your MCP client and try again."
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        next_step: str | None = None,
+        page: dict[str, object] | None = None,
+    ) -> None:
+        self.public_message = message or self.message
+        self.public_next_step = next_step or self.next_step
+        self.page = page or {}  # extra values for the HTML page (e.g. a sign-out form)
+        super().__init__(self.public_message)
+
+
+class NotFound(BrokerError):
+    status_code = 404
+    code = "not_found"
+    title = "Link not found"
+    message = "This link does not exist. It may be mistyped or may have been removed."
+    next_step = "Ask your MCP client for a new link by calling the tool again."
+
+
+class Forbidden(BrokerError):
+    status_code = 403
+    code = "forbidden"
+    title = "Not allowed"
+    message = "This request was refused."
+
+
+class CsrfFailed(Forbidden):
+    code = "csrf_failed"
+    title = "The form expired"
+    message = "This form could not be verified (it may be old or from another site)."
+    next_step = "Reload the page and submit the form again."
+
+
+class BadLogin(BrokerError):
+    status_code = 400
+    code = "login_failed"
+    title = "Sign-in did not complete"
+    message = "The sign-in response could not be verified."
+    next_step = "Open the link from your MCP client again to sign in afresh."
+
+
+class PayloadTooLarge(BrokerError):
+    status_code = 413
+    code = "payload_too_large"
+    title = "Too much data"
+    message = "The submitted form is too large."
+    next_step = "Go back and check what you entered."
+
+
+class ServiceUnavailable(BrokerError):
+    status_code = 503
+    code = "unavailable"
+    title = "Temporarily unavailable"
+    message = "The broker cannot reach its database or identity provider right now."
+    next_step = "Wait a moment, then reload this page."
+
+
+def wants_html(request: Request) -> bool:
+    return request.url.path.startswith(HTML_PREFIXES)
+
+
+def render_error(request: Request, error: BrokerError) -> Response:
+    if wants_html(request):
+        return render(
+            request,
+            "errors/error.html",
+            status_code=error.status_code,
+            title=error.title,
+            message=error.public_message,
+            next_step=error.public_next_step,
+            **error.page,
+        )
+    return JSONResponse(
+        {
+            "type": f"urn:connect-broker:error:{error.code}",
+            "title": error.title,
+            "status": error.status_code,
+            "detail": error.public_message,
+        },
+        status_code=error.status_code,
+        media_type="application/problem+json",
+    )
+
+
+async def on_broker_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BrokerError)
+    return render_error(request, exc)
+
+
+async def on_database_error(request: Request, exc: Exception) -> Response:
+    logger.error("database.unavailable error=%s", type(exc).__name__)
+    response = render_error(request, ServiceUnavailable())
+    response.headers["Retry-After"] = "5"
+    return response
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error rid=%s", getattr(request.state, "request_id", ""))
+    error = BrokerError("An unexpected error occurred; it has been logged.")
+    response = render_error(request, error)
+    response.status_code = 500
+    return response
+
+
+DATABASE_ERRORS: tuple[type[Exception], ...] = (OperationalError, DBAPIError, PoolTimeout)

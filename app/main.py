@@ -1,0 +1,204 @@
+"""Application factory: builds the runtime, wires middleware, routes and error handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx2
+from fastapi import FastAPI
+from sqlalchemy import text
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from app.auth import login
+from app.auth.bearer import TokenVerifier
+from app.auth.browser import BrowserSessions
+from app.auth.dev_idp import DevIdentityProvider
+from app.auth.jwks import JwksCache
+from app.config import Settings
+from app.connect import pages
+from app.connect import service as flows
+from app.connect.notify import FlowNotifier, PostgresFlowNotifier
+from app.crypto import Keyring
+from app.db import create_engine, create_sessionmaker, is_sqlite
+from app.errors import (
+    DATABASE_ERRORS,
+    BrokerError,
+    on_broker_error,
+    on_database_error,
+    on_unexpected_error,
+)
+from app.mcp.broker_tools import register_broker_tools
+from app.mcp.endpoint import mcp_endpoint, method_not_allowed
+from app.mcp.registry import ToolRegistry
+from app.mcp.request_state import RequestStateCodec
+from app.middleware import AccessLog, HostGuard
+from app.resources import resource_dir
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker")
+
+PURGE_INTERVAL_SECONDS = 60
+
+
+def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
+    """Everything the process shares; nothing here does I/O yet."""
+    signing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
+    sealing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
+    engine = create_engine(settings.database.url, pool_size=settings.database.pool_size)
+    http = httpx2.AsyncClient(
+        timeout=httpx2.Timeout(10.0, connect=3.0),
+        follow_redirects=False,
+        limits=httpx2.Limits(max_connections=50, max_keepalive_connections=10),
+        trust_env=False,
+    )
+    issuer = JwksCache(settings.identity.issuer, http=http)
+    notifier: FlowNotifier = (
+        FlowNotifier(poll_interval=0.25)
+        if is_sqlite(settings.database.url)
+        else PostgresFlowNotifier(settings.database.url)
+    )
+    return Runtime(
+        settings=settings,
+        engine=engine,
+        sessionmaker=create_sessionmaker(engine),
+        signing_keys=signing,
+        sealing_keys=sealing,
+        issuer=issuer,
+        verifier=TokenVerifier(
+            issuer=settings.identity.issuer,
+            audience=settings.audience,
+            identity_claim=settings.identity.identity_claim,
+            algorithms=settings.identity.algorithms,
+            jwks=issuer,
+        ),
+        browser_sessions=BrowserSessions(
+            signing,
+            ttl_seconds=settings.server.session_ttl_seconds,
+            max_auth_age_seconds=settings.server.login_max_age_seconds,
+        ),
+        codec=RequestStateCodec(signing, max_age=settings.server.flow_ttl_seconds),
+        registry=registry,
+        notifier=notifier,
+        http=http,
+        allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
+    )
+
+
+def allowed_hosts(settings: Settings) -> frozenset[str]:
+    hosts = set()
+    for url in (settings.public_url, *settings.server.allowed_origins):
+        netloc = urlsplit(url).netloc.lower()
+        hosts.add(netloc)
+        default_port = ":443" if url.startswith("https://") else ":80"
+        hosts.add(netloc.removesuffix(default_port))
+    return frozenset(hosts)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    registry: ToolRegistry | None = None,
+    dev_idp: DevIdentityProvider | None = None,
+) -> FastAPI:
+    """The ASGI app. `registry` may carry extra tools; `dev_idp` is passed only by `dev`."""
+    registry = registry if registry is not None else ToolRegistry()
+    runtime = build_runtime(settings, registry)
+    register_broker_tools(registry, runtime)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await runtime.notifier.start()
+        purger = asyncio.create_task(_purge_forever(runtime))
+        try:
+            yield
+        finally:
+            purger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await purger
+            await runtime.notifier.stop()
+            await runtime.http.aclose()
+            await runtime.engine.dispose()
+
+    app = FastAPI(
+        title="Connect Broker",
+        version=runtime.server_info["version"],
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.runtime = runtime
+    app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["POST"]))
+    app.router.routes.append(Route("/mcp", method_not_allowed, methods=["GET", "DELETE", "PUT"]))
+    for path in (
+        "/.well-known/oauth-protected-resource",
+        "/.well-known/oauth-protected-resource/mcp",
+    ):
+        app.add_api_route(path, _resource_metadata, include_in_schema=False)
+    app.add_api_route("/healthz", _healthz, include_in_schema=False)
+    app.add_api_route("/readyz", _readyz, include_in_schema=False)
+    app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
+    app.include_router(login.router)
+    app.include_router(pages.router)
+    if dev_idp is not None:
+        app.include_router(dev_idp.router())
+    app.add_exception_handler(BrokerError, on_broker_error)
+    for error in DATABASE_ERRORS:
+        app.add_exception_handler(error, on_database_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+    app.add_middleware(HostGuard, allowed_hosts=allowed_hosts(settings))
+    app.add_middleware(AccessLog)
+    return app
+
+
+async def _purge_forever(runtime: Runtime) -> None:
+    while True:
+        try:
+            async with runtime.sessionmaker.begin() as session:
+                expired, deleted = await flows.purge(session)
+                await runtime.browser_sessions.purge(session)
+            if expired or deleted:
+                logger.info("flows.purged expired=%d deleted=%d", expired, deleted)
+        except DATABASE_ERRORS as exc:
+            logger.warning("flows.purge_failed error=%s", type(exc).__name__)
+        await asyncio.sleep(PURGE_INTERVAL_SECONDS)
+
+
+async def _resource_metadata(request: Request) -> Response:
+    settings: Settings = request.app.state.runtime.settings
+    document: dict[str, object] = {
+        "resource": settings.audience,
+        "authorization_servers": [settings.identity.issuer],
+        "bearer_methods_supported": ["header"],
+        "resource_name": "Connect Broker",
+    }
+    if settings.identity.required_scopes:
+        document["scopes_supported"] = list(settings.identity.required_scopes)
+    return JSONResponse(document, headers={"Cache-Control": "public, max-age=3600"})
+
+
+async def _healthz() -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _readyz(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    try:
+        async with asyncio.timeout(3), runtime.engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+    except (*DATABASE_ERRORS, OSError, TimeoutError):
+        return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def _stylesheet() -> Response:
+    return FileResponse(
+        resource_dir("templates") / "broker.css",
+        media_type="text/css",
+        headers={"Cache-Control": "public, max-age=3600"},
+    )

@@ -1,0 +1,182 @@
+"""The broker's own tools: connect, list, disconnect accounts; list providers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import credentials
+from app.mcp.protocol import missing_capability
+from app.mcp.registry import (
+    ConnectionRequired,
+    InputRequired,
+    ToolCall,
+    ToolRegistry,
+    ToolResult,
+)
+from app.runtime import Runtime
+
+PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
+CONFIRM_KEY = "confirm_disconnect"
+
+
+def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
+    """Add the four broker tools to `registry`."""
+    providers = runtime.settings.providers
+
+    async def connections_of(call: ToolCall) -> list[credentials.ConnectionInfo]:
+        async with runtime.sessionmaker() as session:
+            return await credentials.list_for(
+                session, principal=call.caller.principal, audience="mcp"
+            )
+
+    def unknown_provider(name: object) -> ToolResult:
+        known = ", ".join(sorted(providers)) or "none"
+        return ToolResult(
+            text=f"Unknown provider {name!s:.64}. Known providers: {known}.", is_error=True
+        )
+
+    @registry.tool(
+        "connect_account",
+        description=(
+            "Make sure the user's account at a provider is connected. If it is not, the user is "
+            "asked to open a link in their browser to connect it."
+        ),
+        input_schema={
+            "type": "object",
+            "properties": {
+                "provider": PROVIDER_ARGUMENT,
+                "scopes": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "OAuth scopes the connection must include",
+                },
+            },
+            "required": ["provider"],
+            "additionalProperties": False,
+        },
+        annotations={"readOnlyHint": False, "openWorldHint": True},
+    )
+    async def connect_account(call: ToolCall) -> ToolResult:
+        provider = call.arguments.get("provider")
+        scopes = call.arguments.get("scopes") or []
+        if not isinstance(provider, str) or provider not in providers:
+            return unknown_provider(provider)
+        if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
+            return ToolResult(text="scopes must be a list of strings", is_error=True)
+        kind = providers[provider].kind
+        credential = await call.connections.require(
+            provider, tuple(scopes) if kind != "api_key" else ()
+        )
+        name = providers[provider].display_name
+        account = credential.account_label
+        return ToolResult(
+            text=f"{name} is connected" + (f" as {account}." if account else "."),
+            structured={"provider": provider, "status": "connected", "account": account},
+        )
+
+    @registry.tool(
+        "list_connections",
+        description="List the user's connected accounts.",
+        annotations={"readOnlyHint": True},
+    )
+    async def list_connections(call: ToolCall) -> ToolResult:
+        rows = await connections_of(call)
+        items = [
+            {
+                "provider": row.provider,
+                "account": row.account_label,
+                "status": row.status,
+                "connected_at": row.connected_at.isoformat(),
+            }
+            for row in rows
+        ]
+        return ToolResult(structured={"connections": items})
+
+    @registry.tool(
+        "list_providers",
+        description="List the providers the user can connect, and whether each is connected.",
+        annotations={"readOnlyHint": True},
+    )
+    async def list_providers(call: ToolCall) -> ToolResult:
+        connected = {row.provider for row in await connections_of(call) if row.status == "active"}
+        items = [
+            {
+                "name": name,
+                "kind": provider.kind,
+                "display_name": provider.display_name,
+                "connected": name in connected,
+            }
+            for name, provider in providers.items()
+        ]
+        return ToolResult(structured={"providers": items})
+
+    @registry.tool(
+        "disconnect_account",
+        description="Disconnect the user's account at a provider, after asking them to confirm.",
+        input_schema={
+            "type": "object",
+            "properties": {"provider": PROVIDER_ARGUMENT},
+            "required": ["provider"],
+            "additionalProperties": False,
+        },
+        annotations={"destructiveHint": True, "idempotentHint": True},
+    )
+    async def disconnect_account(call: ToolCall) -> ToolResult | InputRequired:
+        provider = call.arguments.get("provider")
+        if not isinstance(provider, str) or provider not in providers:
+            return unknown_provider(provider)
+        name = providers[provider].display_name
+        try:
+            credential = await call.connections.require(provider)
+        except ConnectionRequired:
+            return ToolResult(
+                text=f"{name} is not connected.",
+                structured={"provider": provider, "status": "not_connected"},
+            )
+        answer = call.input_responses.get(CONFIRM_KEY) if call.state == provider else None
+        if answer is None:
+            return _confirm(call, name, credential.account_label, provider)
+        if answer.get("action") == "accept" and (answer.get("content") or {}).get("confirm"):
+            async with runtime.sessionmaker.begin() as session:
+                await credentials.remove(
+                    session, principal=call.caller.principal, provider=provider, audience="mcp"
+                )
+            return ToolResult(
+                text=f"{name} was disconnected.",
+                structured={"provider": provider, "status": "disconnected"},
+            )
+        return ToolResult(
+            text=f"{name} stays connected.",
+            structured={"provider": provider, "status": "connected"},
+        )
+
+
+def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> InputRequired:
+    """A non-secret yes/no question: form mode (an empty `elicitation` object means form)."""
+    elicitation: Any = call.capabilities.get("elicitation")
+    if not isinstance(elicitation, dict) or not ("form" in elicitation or not elicitation):
+        raise missing_capability({"elicitation": {"form": {}}})
+    who = f" ({account})" if account else ""
+    return InputRequired(
+        requests={
+            CONFIRM_KEY: {
+                "method": "elicitation/create",
+                "params": {
+                    "mode": "form",
+                    "message": f"Disconnect {name}{who}? Tools will lose access to it.",
+                    "requestedSchema": {
+                        "type": "object",
+                        "properties": {
+                            "confirm": {
+                                "type": "boolean",
+                                "title": f"Disconnect {name}",
+                                "default": False,
+                            }
+                        },
+                        "required": ["confirm"],
+                    },
+                },
+            }
+        },
+        state=provider,
+    )

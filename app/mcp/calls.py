@@ -1,0 +1,276 @@
+"""`tools/call` with multi-round-trip requests and the connect-flow retry check.
+
+Round 1: the tool runs; if it raises ConnectionRequired we create a flow and answer an
+InputRequiredResult with a URL-mode elicitation (`-32021` if the client did not declare
+`elicitation.url`). Retry: the sealed requestState must verify (integrity, age, principal, client,
+tool, argument digest) or the answer is `-32602`; then the flow decides: completed → the tool runs
+again and its result is final; still open → wait (bounded, no DB connection held), then re-issue the
+same URL with a fresh state; declined/cancelled/expired → an `isError` result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from app import credentials
+from app.auth.principal import McpCaller
+from app.connect import service as flows
+from app.connect.service import FlowView, TooManyOpenFlows
+from app.credentials import Credential
+from app.mcp.envelope import Message, check_param_headers
+from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
+from app.mcp.registry import (
+    ConnectionRequired,
+    Tool,
+    ToolCall,
+    ToolOutcome,
+    ToolResult,
+)
+from app.mcp.request_state import StatePayload, arguments_digest
+from app.models import FlowStatus
+from app.runtime import Runtime
+
+ACTIONS = ("accept", "decline", "cancel")
+CAPABILITY_FOR_METHOD = {
+    "elicitation/create": "elicitation",
+    "sampling/createMessage": "sampling",
+    "roots/list": "roots",
+}
+
+
+class BrokerConnections:
+    """`call.connections` for the broker's own endpoint: credentials of audience "mcp"."""
+
+    def __init__(self, runtime: Runtime, caller: McpCaller, audience: str = "mcp") -> None:
+        self._runtime = runtime
+        self._caller = caller
+        self._audience = audience
+
+    async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
+        async with self._runtime.sessionmaker() as session:
+            credential = await credentials.load(
+                session,
+                keys=self._runtime.sealing_keys,
+                principal=self._caller.principal,
+                provider=provider,
+                audience=self._audience,
+            )
+        if credential is None or not set(scopes) <= credential.scopes:
+            raise ConnectionRequired(provider, scopes)
+        return credential
+
+
+class CallToolRound:
+    """One `tools/call` request: verify, resume a flow if any, run the tool, shape the answer."""
+
+    def __init__(self, runtime: Runtime, caller: McpCaller, message: Message) -> None:
+        self.runtime = runtime
+        self.caller = caller
+        self.message = message
+        params = message.params
+        name = params.get("name")
+        tool = runtime.registry.get(name) if isinstance(name, str) else None
+        if tool is None:
+            raise invalid_params(f"Unknown tool: {name!s:.128}")
+        self.tool: Tool = tool
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise invalid_params("params.arguments must be an object")
+        self.arguments: dict[str, Any] = arguments
+        self.digest = arguments_digest(arguments)
+        self.input_responses = _input_responses(params)
+        client_info = message.meta.get(META_CLIENT_INFO)
+        name_value = client_info.get("name") if isinstance(client_info, dict) else None
+        self.client_name = name_value[:255] if isinstance(name_value, str) else None
+
+    async def run(self, headers: Headers) -> dict[str, Any]:
+        check_param_headers(headers, self.tool.input_schema, self.arguments)
+        state: StatePayload | None = None
+        if "requestState" in self.message.params:
+            state = self.runtime.codec.verify(
+                self.message.params["requestState"],
+                self.caller,
+                method="tools/call",
+                name=self.tool.name,
+                arguments_digest=self.digest,
+            )
+        finished_flow: str | None = None
+        if state is not None and state.flow_id is not None:
+            answer = await self._resume_flow(state.flow_id, state.input_key or "")
+            if answer is not None:
+                return answer
+            finished_flow = state.flow_id
+        call = ToolCall(
+            name=self.tool.name,
+            arguments=self.arguments,
+            caller=self.caller,
+            client_name=self.client_name,
+            capabilities=self.message.capabilities,
+            input_responses=self.input_responses,
+            state=state.data if state is not None and state.flow_id is None else None,
+            connections=BrokerConnections(self.runtime, self.caller),
+        )
+        try:
+            outcome = await self.tool.handler(call)
+        except ConnectionRequired as need:
+            return await self._start_flow(need)
+        if finished_flow is not None and isinstance(outcome, ToolResult):
+            async with self.runtime.sessionmaker.begin() as session:
+                await flows.mark_consumed(
+                    session, flow_id=finished_flow, principal=self.caller.principal
+                )
+        return self._shape(outcome)
+
+    def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
+        if isinstance(outcome, ToolResult):
+            return outcome.to_wire()
+        for key, request in outcome.requests.items():
+            capability = CAPABILITY_FOR_METHOD.get(str(request.get("method")))
+            if capability is None:
+                raise ValueError(f"input request {key!r} has an unsupported method")
+            if capability not in self.message.capabilities:  # MRTR server rule 7
+                raise missing_capability({capability: {}})
+        return self._input_required(outcome.requests, data=outcome.state)
+
+    def _input_required(
+        self,
+        requests: dict[str, dict[str, Any]],
+        *,
+        data: Any = None,
+        flow_id: str | None = None,
+        input_key: str | None = None,
+    ) -> dict[str, Any]:
+        state = self.runtime.codec.issue(
+            self.caller,
+            method="tools/call",
+            name=self.tool.name,
+            arguments_digest=self.digest,
+            flow_id=flow_id,
+            input_key=input_key,
+            data=data,
+        )
+        return {"resultType": "input_required", "inputRequests": requests, "requestState": state}
+
+    async def _start_flow(self, need: ConnectionRequired) -> dict[str, Any]:
+        provider = self.runtime.settings.providers.get(need.provider)
+        if provider is None:
+            return ToolResult(text=f"Unknown provider: {need.provider}", is_error=True).to_wire()
+        if "url" not in (self.message.capabilities.get("elicitation") or {}):
+            raise missing_capability({"elicitation": {"url": {}}})
+        try:
+            async with self.runtime.sessionmaker.begin() as session:
+                flow = await flows.create(
+                    session,
+                    caller=self.caller,
+                    client_name=self.client_name,
+                    provider=need.provider,
+                    scopes=need.scopes,
+                    tool_name=self.tool.name,
+                    args_digest=self.digest,
+                    ttl_seconds=self.runtime.settings.server.flow_ttl_seconds,
+                )
+        except TooManyOpenFlows:
+            return ToolResult(
+                text="Too many unfinished connect links. Finish or wait for one to expire.",
+                is_error=True,
+            ).to_wire()
+        return self._elicit(flow)
+
+    def _elicit(self, flow: FlowView) -> dict[str, Any]:
+        provider = self.runtime.settings.providers[flow.provider]
+        key = f"connect_{flow.provider}"
+        request = {
+            "method": "elicitation/create",
+            "params": {
+                "mode": "url",
+                "message": f"Connect your {provider.display_name} account to continue.",
+                "url": f"{self.runtime.settings.public_url}/connect/{flow.id}",
+            },
+        }
+        return self._input_required({key: request}, flow_id=flow.id, input_key=key)
+
+    async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | None:
+        """The answer for a retry of a connect round, or None when the flow is done."""
+        principal = self.caller.principal
+        response = self.input_responses.get(key)
+        action = response.get("action") if isinstance(response, dict) else None
+        if response is not None and action not in ACTIONS:
+            raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
+        if action in ("decline", "cancel"):
+            status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
+            async with self.runtime.sessionmaker.begin() as session:
+                ended = await flows.end_by_client(
+                    session, flow_id=flow_id, principal=principal, status=status
+                )
+                flow = await flows.get_for(session, flow_id=flow_id, principal=principal)
+            if flow is not None and flow.is_done and not ended:
+                return None
+            return self._ended(flow, status)
+        # accept (or no answer at all): wait for the browser side, bounded.
+        timeout = self.runtime.settings.server.retry_wait_seconds if action == "accept" else 0
+        flow = await wait_for_flow(self.runtime, flow_id, self.caller, timeout)
+        if flow is not None and flow.is_done:
+            return None
+        if flow is not None and flow.is_open:
+            return self._elicit(flow)
+        return self._ended(flow, flow.outcome if flow else FlowStatus.expired)
+
+    def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
+        provider = self.runtime.settings.providers.get(flow.provider) if flow else None
+        name = provider.display_name if provider else "the account"
+        messages = {
+            FlowStatus.declined: f"The user declined to connect {name}.",
+            FlowStatus.cancelled: (
+                f"Connecting {name} was cancelled. Call the tool again to get a new link."
+            ),
+            FlowStatus.failed: (
+                f"Connecting {name} failed. Call the tool again to get a new link."
+            ),
+        }
+        text = messages.get(
+            status, f"The link to connect {name} expired. Call the tool again to get a new link."
+        )
+        return ToolResult(
+            text=text,
+            structured={"status": status if status in messages else FlowStatus.expired},
+            is_error=True,
+        ).to_wire()
+
+
+async def wait_for_flow(
+    runtime: Runtime, flow_id: str, caller: McpCaller, timeout: float
+) -> FlowView | None:
+    """The flow once it is no longer open, or as it stands after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    with runtime.notifier.subscribe(flow_id) as changed:
+        while True:
+            changed.clear()
+            async with runtime.sessionmaker() as session:
+                flow = await flows.get_for(session, flow_id=flow_id, principal=caller.principal)
+            remaining = deadline - loop.time()
+            if flow is None or not flow.is_open or remaining <= 0:
+                return flow
+            try:
+                await asyncio.wait_for(
+                    changed.wait(), min(remaining, runtime.notifier.poll_interval)
+                )
+            except TimeoutError:
+                pass
+
+
+def _input_responses(params: dict[str, Any]) -> dict[str, Any]:
+    responses = params.get("inputResponses")
+    if responses is None:
+        return {}
+    if not isinstance(responses, dict):
+        raise invalid_params("params.inputResponses must be an object")
+    for key, value in responses.items():
+        if not isinstance(value, dict):
+            raise invalid_params(f"inputResponses.{key!s:.64} must be an object")
+    return responses

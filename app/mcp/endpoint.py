@@ -1,0 +1,174 @@
+"""POST /mcp: the Streamable HTTP transport (JSON responses only; GET/DELETE answer 405).
+
+Order: Origin allow-list (403) → bearer token (401/403) → Content-Type (415) → body size (413) →
+JSON-RPC envelope (400) → headers and _meta (400) → method (404) → dispatch. A plain Starlette
+route, not a FastAPI one: this is the hot path and needs no dependency injection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
+from app.auth.principal import McpCaller
+from app.mcp.envelope import Message, check_message, parse_body
+from app.mcp.methods import METHODS
+from app.mcp.protocol import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    META_SERVER_INFO,
+    METHOD_NOT_FOUND,
+    JsonRpcError,
+)
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker.mcp")
+
+
+class _HttpRefusal(Exception):
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None):
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+
+
+def _json(
+    body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def _error(exc: JsonRpcError, request_id: Any = None) -> Response:
+    body: dict[str, Any] = {"jsonrpc": "2.0"}
+    rid = exc.request_id if exc.request_id is not None else request_id
+    if rid is not None:
+        body["id"] = rid
+    body["error"] = exc.to_error()
+    return _json(body, exc.http_status, exc.headers)
+
+
+async def mcp_endpoint(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    message: Message | None = None
+    try:
+        _check_origin(request, runtime)
+        caller = await _authenticate(request, runtime)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise _HttpRefusal(
+                415, _plain_error(INVALID_REQUEST, "Content-Type must be application/json")
+            )
+        body = await _read_body(request, runtime.settings.server.max_body_bytes)
+        message = parse_body(body)
+        check_message(message, request.headers)
+        method = METHODS.get(message.method)
+        if method is None:
+            if message.id is None:
+                return Response(status_code=202)  # notifications are accepted and ignored
+            raise JsonRpcError(
+                METHOD_NOT_FOUND, f"Method not found: {message.method:.64}", http_status=404
+            )
+        if message.id is None:
+            return Response(status_code=202)
+        result = await method(runtime, caller, message, request.headers)
+    except JsonRpcError as exc:
+        return _error(exc, message.id if message else None)
+    except _HttpRefusal as refusal:
+        return _json(refusal.body, refusal.status, refusal.headers)
+    except ClientDisconnect:
+        return Response(status_code=400)
+    except (OperationalError, DBAPIError, PoolTimeout, OSError, TimeoutError) as exc:
+        logger.error("mcp.unavailable error=%s", type(exc).__name__)
+        unavailable = JsonRpcError(
+            INTERNAL_ERROR,
+            "The service is temporarily unavailable; retry shortly",
+            http_status=503,
+            headers={"Retry-After": "5"},
+        )
+        return _error(unavailable, message.id if message else None)
+    result["_meta"] = {META_SERVER_INFO: runtime.server_info}
+    return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
+
+
+def _plain_error(code: int, text: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "error": {"code": code, "message": text}}
+
+
+def _check_origin(request: Request, runtime: Runtime) -> None:
+    origin = request.headers.get("origin")
+    if origin is not None and origin not in runtime.allowed_origins:
+        raise _HttpRefusal(403, _plain_error(INVALID_REQUEST, "Origin not allowed"))
+
+
+async def _authenticate(request: Request, runtime: Runtime) -> McpCaller:
+    settings = runtime.settings
+    metadata_url = f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp"
+    required = " ".join(settings.identity.required_scopes)
+    token = bearer_token(request.headers.get("authorization"))
+    if token is None:
+        raise _HttpRefusal(
+            401,
+            {"error": "unauthorized", "error_description": "A bearer token is required"},
+            {"WWW-Authenticate": challenge(metadata_url, scope=required)},
+        )
+    try:
+        caller = await runtime.verifier.verify(token)
+    except InvalidToken as exc:
+        logger.info("auth.invalid_token reason=%s", exc.reason)
+        raise _HttpRefusal(
+            401,
+            {"error": "invalid_token", "error_description": "The access token is invalid"},
+            {"WWW-Authenticate": challenge(metadata_url, error="invalid_token", scope=required)},
+        ) from None
+    except IdpUnavailable:
+        raise _HttpRefusal(
+            503,
+            {"error": "temporarily_unavailable", "error_description": "Cannot reach the IdP"},
+            {"Retry-After": "5"},
+        ) from None
+    missing = set(settings.identity.required_scopes) - caller.scopes
+    if missing:
+        raise _HttpRefusal(
+            403,
+            {"error": "insufficient_scope", "error_description": "The token lacks a scope"},
+            {
+                "WWW-Authenticate": challenge(
+                    metadata_url,
+                    error="insufficient_scope",
+                    scope=required,
+                    description="The access token lacks a required scope",
+                )
+            },
+        )
+    return caller
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _HttpRefusal(413, _plain_error(INVALID_REQUEST, "The request body is too large"))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _HttpRefusal(413, _plain_error(INVALID_REQUEST, "The request body is too large"))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def method_not_allowed(_request: Request) -> Response:
+    return Response(status_code=405, headers={"Allow": "POST"})

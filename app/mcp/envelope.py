@@ -1,0 +1,189 @@
+"""Reading one JSON-RPC message from a POST body and checking it against the MCP headers.
+
+Order (spec/DIGEST.md §2.2, §10 q4): envelope → Mcp-Method header → params._meta → version
+header equals _meta version (-32020) → version supported (-32022) → Mcp-Name / Mcp-Param-*.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from app.mcp.protocol import (
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    META_CLIENT_CAPABILITIES,
+    META_PROTOCOL_VERSION,
+    PARSE_ERROR,
+    SUPPORTED_VERSIONS,
+    UNSUPPORTED_VERSION,
+    JsonRpcError,
+)
+
+RequestId = str | int
+NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
+
+
+@dataclass(frozen=True)
+class Message:
+    """A validated request (id set) or notification (id None)."""
+
+    id: RequestId | None
+    method: str
+    params: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def capabilities(self) -> dict[str, Any]:
+        caps: dict[str, Any] = self.meta[META_CLIENT_CAPABILITIES]
+        return caps
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(body: bytes) -> Message:
+    """Parse one JSON-RPC message (not yet checked against headers).
+
+    Raises:
+        JsonRpcError: -32700 for bad JSON, -32600 for anything but a single valid request.
+    """
+    try:
+        document = json.loads(
+            body.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
+        )
+    except _DuplicateKey:
+        raise _invalid("Duplicate keys in a JSON object are not accepted") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise JsonRpcError(PARSE_ERROR, "Parse error: the body is not valid JSON", http_status=400)
+    if isinstance(document, list):
+        raise _invalid("Batches are not supported: send one JSON-RPC message per request")
+    if not isinstance(document, dict) or document.get("jsonrpc") != "2.0":
+        raise _invalid('Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")')
+    method = document.get("method")
+    if not isinstance(method, str) or not method:
+        raise _invalid("Not a JSON-RPC request: a method is required")
+    has_id = "id" in document
+    request_id = document.get("id")
+    if has_id and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
+        raise _invalid("The request id must be a string or an integer")
+    params = document.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise JsonRpcError(
+            INVALID_PARAMS, "params must be an object", http_status=400, request_id=request_id
+        )
+    meta = (params or {}).get("_meta")
+    return Message(
+        id=request_id if has_id else None,
+        method=method,
+        params=params or {},
+        meta=meta if isinstance(meta, dict) else {},
+    )
+
+
+def _invalid(message: str) -> JsonRpcError:
+    return JsonRpcError(INVALID_REQUEST, message, http_status=400)
+
+
+def check_message(message: Message, headers: Headers) -> None:
+    """Validate _meta, the version and the MCP headers against the body.
+
+    Raises:
+        JsonRpcError: -32020, -32602 or -32022 (all HTTP 400).
+    """
+    if _header(headers, "mcp-method") != message.method:
+        raise _mismatch("The Mcp-Method header is missing or differs from the body's method")
+    meta = message.params.get("_meta")
+    if not isinstance(meta, dict):
+        raise _bad_meta("params._meta is required on every request")
+    version = meta.get(META_PROTOCOL_VERSION)
+    if not isinstance(version, str) or not version:
+        raise _bad_meta(f"params._meta[{META_PROTOCOL_VERSION!r}] is required")
+    if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
+        raise _bad_meta(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an object")
+    if _header(headers, "mcp-protocol-version") != version:
+        raise _mismatch("The MCP-Protocol-Version header is missing or differs from params._meta")
+    if version not in SUPPORTED_VERSIONS:
+        raise JsonRpcError(
+            UNSUPPORTED_VERSION,
+            "Unsupported protocol version",
+            http_status=400,
+            data={"supported": list(SUPPORTED_VERSIONS), "requested": version},
+        )
+    name_field = NAMED_METHODS.get(message.method)
+    if name_field is not None:
+        value = message.params.get(name_field)
+        if not isinstance(value, str) or _header(headers, "mcp-name") != value:
+            raise _mismatch(f"The Mcp-Name header is missing or differs from params.{name_field}")
+
+
+def check_param_headers(
+    headers: Headers, schema: dict[str, Any], arguments: dict[str, Any]
+) -> None:
+    """Arguments annotated `x-mcp-header` must be mirrored in `Mcp-Param-<Name>` (SEP-2243).
+
+    Raises:
+        JsonRpcError: -32020 when a mirrored header is missing or differs.
+    """
+    for prop_name, prop in (schema.get("properties") or {}).items():
+        if not isinstance(prop, dict) or "x-mcp-header" not in prop:
+            continue
+        header = _header(headers, f"mcp-param-{prop['x-mcp-header']}".lower())
+        value = arguments.get(prop_name)
+        if value is None:
+            if header is not None:
+                raise _mismatch(f"Mcp-Param-{prop['x-mcp-header']} sent without the argument")
+            continue
+        expected = json.dumps(value) if not isinstance(value, str) else value
+        if header is None or not _same_value(header, expected, value):
+            raise _mismatch(f"Mcp-Param-{prop['x-mcp-header']} is missing or differs")
+
+
+def _same_value(header: str, expected: str, value: Any) -> bool:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(header) == float(value)
+        except ValueError:
+            return False
+    return header == expected
+
+
+def _header(headers: Headers, name: str) -> str | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    value = raw.strip()
+    if value.startswith("=?base64?") and value.endswith("?="):
+        try:
+            return base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return value
+
+
+def _mismatch(message: str) -> JsonRpcError:
+    return JsonRpcError(HEADER_MISMATCH, message, http_status=400)
+
+
+def _bad_meta(message: str) -> JsonRpcError:
+    return JsonRpcError(INVALID_PARAMS, message, http_status=400)

@@ -1,0 +1,61 @@
+"""The MCP methods the broker implements; anything else is -32601 (HTTP 404)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from app.auth.principal import McpCaller
+from app.mcp.calls import CallToolRound
+from app.mcp.envelope import Message
+from app.mcp.protocol import SUPPORTED_VERSIONS, invalid_params
+from app.runtime import Runtime
+
+LIST_TTL_MS = 300_000
+INSTRUCTIONS = (
+    "Connect Broker keeps the user's third-party accounts (OAuth and API keys). Use "
+    "connect_account when a provider is needed; the user finishes the connection in a browser."
+)
+
+Method = Callable[[Runtime, McpCaller, Message, Headers], Awaitable[dict[str, Any]]]
+
+
+async def discover(
+    runtime: Runtime, _caller: McpCaller, _message: Message, _headers: Headers
+) -> dict[str, Any]:
+    return {
+        "resultType": "complete",
+        "supportedVersions": list(SUPPORTED_VERSIONS),
+        "capabilities": {"tools": {}},
+        "instructions": INSTRUCTIONS,
+        "ttlMs": LIST_TTL_MS,
+        "cacheScope": "public",
+    }
+
+
+async def list_tools(
+    runtime: Runtime, _caller: McpCaller, message: Message, _headers: Headers
+) -> dict[str, Any]:
+    if message.params.get("cursor") is not None:
+        raise invalid_params("Invalid cursor: tools/list has a single page")
+    return {
+        "resultType": "complete",
+        "tools": [tool.to_wire() for tool in runtime.registry],
+        "ttlMs": LIST_TTL_MS,
+        "cacheScope": "public",
+    }
+
+
+async def call_tool(
+    runtime: Runtime, caller: McpCaller, message: Message, headers: Headers
+) -> dict[str, Any]:
+    return await CallToolRound(runtime, caller, message).run(headers)
+
+
+METHODS: dict[str, Method] = {
+    "server/discover": discover,
+    "tools/list": list_tools,
+    "tools/call": call_tool,
+}

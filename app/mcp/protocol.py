@@ -1,0 +1,70 @@
+"""MCP 2026-07-28 wire constants and the JSON-RPC error type (spec/DIGEST.md §2, §3, §8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROTOCOL_VERSION = "2026-07-28"
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+
+PARSE_ERROR = -32700  # body is not JSON
+INVALID_REQUEST = -32600  # not a single valid JSON-RPC request (batches included)
+METHOD_NOT_FOUND = -32601  # over HTTP answered with 404 (Streamable HTTP, 2026-07-28)
+INVALID_PARAMS = -32602  # bad params, missing _meta, unknown tool, bad requestState
+INTERNAL_ERROR = -32603
+HEADER_MISMATCH = -32020  # MCP-* headers missing or disagreeing with the body (SEP-2243)
+MISSING_CAPABILITY = -32021  # data.requiredCapabilities (basic/index.mdx)
+UNSUPPORTED_VERSION = -32022  # data.supported + data.requested (basic/versioning.mdx)
+
+
+class JsonRpcError(Exception):
+    """An error answered as a JSON-RPC error object with a chosen HTTP status."""
+
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        *,
+        http_status: int = 200,
+        data: Any = None,
+        headers: dict[str, str] | None = None,
+        request_id: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.code = code
+        self.message = message
+        self.http_status = http_status
+        self.data = data
+        self.headers = headers or {}
+
+    def to_error(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return error
+
+
+def invalid_params(
+    message: str, *, reason: str | None = None, http_status: int = 200
+) -> JsonRpcError:
+    return JsonRpcError(
+        INVALID_PARAMS,
+        message,
+        http_status=http_status,
+        data={"reason": reason} if reason else None,
+    )
+
+
+def missing_capability(required: dict[str, Any]) -> JsonRpcError:
+    return JsonRpcError(
+        MISSING_CAPABILITY,
+        "This request needs a client capability that was not declared",
+        http_status=400,
+        data={"requiredCapabilities": required},
+    )

@@ -1,0 +1,90 @@
+"""Pure ASGI middleware: Host allow-list, request ids and an access log without query strings.
+
+uvicorn's own access log prints the query string (and so OAuth `code`/`state`); it is disabled and
+replaced by `AccessLog`, which logs method, path, status and duration only (SECURITY.md §0.10).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+access_logger = logging.getLogger("broker.access")
+
+
+class HostGuard:
+    """Refuse requests whose Host is not one of ours (DNS rebinding, Host poisoning)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str]) -> None:
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = ""
+            for name, value in scope["headers"]:
+                if name == b"host":
+                    host = value.decode("latin-1").strip().lower()
+                    break
+            if host not in self.allowed_hosts:
+                await _plain(send, 421, b"Misdirected request: unknown Host\n")
+                return
+        await self.app(scope, receive, send)
+
+
+async def _plain(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class AccessLog:
+    """One line per request: method, path (never the query), status, milliseconds, request id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = secrets.token_hex(8)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            if access_logger.isEnabledFor(logging.INFO):
+                access_logger.info(
+                    "%s %s %d %.1fms rid=%s",
+                    scope["method"],
+                    _safe_path(scope["path"]),
+                    status,
+                    (time.perf_counter() - started) * 1000,
+                    request_id,
+                )
+
+
+def _safe_path(path: str) -> str:
+    """Flow ids in paths are not secret, but keep log lines short and free of control chars."""
+    cleaned = "".join(ch if ch.isprintable() else "?" for ch in path)
+    return cleaned[:200]

@@ -1,0 +1,142 @@
+"""Every table. The same schema on SQLite and PostgreSQL (built by the Alembic migrations)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import DateTime, Index, Integer, MetaData, String, Text, TypeDecorator
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class FlowStatus(StrEnum):
+    pending = "pending"
+    authorizing = "authorizing"
+    exchanging = "exchanging"
+    completed = "completed"
+    consumed = "consumed"
+    declined = "declined"
+    cancelled = "cancelled"
+    failed = "failed"
+    expired = "expired"
+
+
+OPEN_FLOW_STATUSES = (FlowStatus.pending, FlowStatus.authorizing, FlowStatus.exchanging)
+DONE_FLOW_STATUSES = (FlowStatus.completed, FlowStatus.consumed)
+
+
+class Flow(Base):
+    """One connect interaction: started by a tool call, finished in the user's browser."""
+
+    __tablename__ = "flows"
+    __table_args__ = (Index("ix_flows_status_expires_at", "status", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    issuer: Mapped[str] = mapped_column(String(255))
+    subject: Mapped[str] = mapped_column(String(255))
+    client_id: Mapped[str] = mapped_column(String(255))
+    client_name: Mapped[str | None] = mapped_column(String(255))
+    audience: Mapped[str] = mapped_column(String(64), default="mcp")
+    provider: Mapped[str] = mapped_column(String(64))
+    scopes: Mapped[str] = mapped_column(Text, default="")
+    tool_name: Mapped[str] = mapped_column(String(128))
+    args_digest: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default=FlowStatus.pending)
+    state_digest: Mapped[str | None] = mapped_column(String(64), unique=True)
+    sealed_pkce_verifier: Mapped[str | None] = mapped_column(Text)
+    failure: Mapped[str | None] = mapped_column(String(64))
+    account_label: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"Flow(provider={self.provider!r}, status={self.status!r})"
+
+
+class ConnectionStatus(StrEnum):
+    active = "active"
+    needs_reauth = "needs_reauth"
+
+
+class Connection(Base):
+    """A user's standing grant to one provider, as made through one audience (broker or sibling)."""
+
+    __tablename__ = "connections"
+    __table_args__ = (
+        Index(
+            "uq_connections_owner_provider",
+            "issuer",
+            "subject",
+            "provider",
+            "audience",
+            unique=True,
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    issuer: Mapped[str] = mapped_column(String(255))
+    subject: Mapped[str] = mapped_column(String(255))
+    provider: Mapped[str] = mapped_column(String(64))
+    audience: Mapped[str] = mapped_column(String(64), default="mcp")
+    status: Mapped[str] = mapped_column(String(16), default=ConnectionStatus.active)
+    sealed_credential: Mapped[str] = mapped_column(Text)  # unsealed only in app/credentials.py
+    key_id: Mapped[str] = mapped_column(String(32))
+    scopes: Mapped[str] = mapped_column(Text, default="")
+    account_label: Mapped[str | None] = mapped_column(String(255))
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"Connection(id={self.id}, provider={self.provider!r}, status={self.status!r})"
+
+
+class LoginSession(Base):
+    """A browser's login at the broker; the cookie holds a random id, this row its digest."""
+
+    __tablename__ = "login_sessions"
+
+    id_digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    issuer: Mapped[str] = mapped_column(String(255))
+    subject: Mapped[str] = mapped_column(String(255))
+    display_name: Mapped[str | None] = mapped_column(String(255))
+    auth_time: Mapped[datetime] = mapped_column(UtcDateTime)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)

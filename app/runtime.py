@@ -1,0 +1,48 @@
+"""The long-lived objects one broker process shares between requests, built once at start-up."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import httpx2
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from app.auth.bearer import TokenVerifier
+from app.auth.browser import BrowserSessions
+from app.auth.jwks import JwksCache
+from app.config import Settings
+from app.connect.notify import FlowNotifier
+from app.crypto import Keyring
+from app.mcp.registry import ToolRegistry
+from app.mcp.request_state import RequestStateCodec
+
+security_log = logging.getLogger("broker.security")
+
+SERVER_NAME = "connect-broker"
+SERVER_VERSION = "0.1.0"
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    signing_keys: Keyring
+    sealing_keys: Keyring
+    issuer: JwksCache
+    verifier: TokenVerifier
+    browser_sessions: BrowserSessions
+    codec: RequestStateCodec
+    registry: ToolRegistry
+    notifier: FlowNotifier
+    http: httpx2.AsyncClient
+    allowed_origins: frozenset[str]
+    server_info: dict[str, str] = field(
+        default_factory=lambda: {"name": SERVER_NAME, "version": SERVER_VERSION}
+    )
+
+    def audit(self, event: str, **fields: str | None) -> None:
+        """A security event: fixed name, identifiers only (never secrets or raw identities)."""
+        details = " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
+        security_log.warning("%s %s", event, details)

@@ -1,0 +1,45 @@
+"""Jinja2 pages with the security headers every HTML response carries (SECURITY.md H2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
+
+from app.resources import resource_dir
+
+_environment = Environment(
+    loader=FileSystemLoader(resource_dir("templates")),
+    autoescape=select_autoescape(default=True, default_for_string=True),
+    auto_reload=False,
+)
+
+
+def html_security_headers(form_action_origins: tuple[str, ...] = ()) -> dict[str, str]:
+    form_action = " ".join(("'self'", *form_action_origins))
+    return {
+        "Content-Security-Policy": (
+            "default-src 'none'; style-src 'self'; img-src 'self'; "
+            f"form-action {form_action}; frame-ancestors 'none'; base-uri 'none'; "
+            "object-src 'none'"
+        ),
+        "X-Frame-Options": "DENY",
+        "Referrer-Policy": "no-referrer",
+        "X-Content-Type-Options": "nosniff",
+        "Cross-Origin-Opener-Policy": "same-origin",
+        "Cache-Control": "no-store",
+        "Strict-Transport-Security": "max-age=31536000",
+    }
+
+
+def render(request: Request, name: str, *, status_code: int = 200, **context: Any) -> HTMLResponse:
+    """Render `templates/<name>` with plain values (never ORM rows or secrets)."""
+    template = _environment.get_template(name)
+    body = template.render(
+        request_id=getattr(request.state, "request_id", ""),
+        stylesheet="/static/broker.css",
+        **context,
+    )
+    return HTMLResponse(body, status_code=status_code, headers=html_security_headers())
