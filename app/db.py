@@ -86,14 +86,10 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
-def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
-    maker: async_sessionmaker[AsyncSession] = request.app.state.sessionmaker
-    return maker
-
-
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """This request's session; committed once if the handler finished without raising."""
-    async with get_sessionmaker(request)() as session:
+    maker: async_sessionmaker[AsyncSession] = request.app.state.runtime.sessionmaker
+    async with maker() as session:
         try:
             yield session
         except BaseException:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx2
 from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
 from fastapi import APIRouter, Request
-from joserfc import jwt
+from joserfc import jws, jwt
 from joserfc.errors import JoseError
 from joserfc.jwt import JWTClaimsRegistry
 from starlette.responses import RedirectResponse, Response
@@ -172,7 +172,8 @@ async def _exchange(runtime: Runtime, *, code: str, verifier: str) -> dict[str, 
         id_token = token.get("id_token")
         if not isinstance(id_token, str):
             raise BadLogin()
-        keys = await runtime.issuer.keys_for(jwt.extract(id_token).header.get("kid"))
+        kid = jws.extract_compact(id_token.encode()).protected.get("kid")
+        keys = await runtime.issuer.keys_for(kid if isinstance(kid, str) else None)
         decoded = jwt.decode(id_token, keys, algorithms=list(runtime.settings.identity.algorithms))
     except (OAuthError, httpx2.HTTPError, TimeoutError) as exc:
         logger.warning("login.token_exchange_failed error=%s", type(exc).__name__)

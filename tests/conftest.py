@@ -1,0 +1,128 @@
+"""Shared fixtures: one real IdP (node oidc-provider) and one broker process per test session.
+
+Run the suite once per database: `BROKER_TEST_DB=sqlite` (default) or `BROKER_TEST_DB=postgresql`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import create_engine
+
+from .support.broker import BrokerConfig, BrokerProcess, running_broker
+from .support.clients import Browser, McpHttp
+from .support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
+
+ARTIFACTS = Path(os.environ.get("BROKER_TEST_ARTIFACTS", "test-artifacts")).resolve()
+
+DEMO_PROVIDER: dict[str, Any] = {
+    "kind": "api_key",
+    "display_name": "Demo",
+    "label": "API key",
+    "pattern": r"^sk_[A-Za-z0-9_]{8,200}$",
+}
+
+
+@pytest.fixture(scope="session")
+def workdir() -> Path:
+    path = ARTIFACTS / os.environ.get("BROKER_TEST_DB", "sqlite")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def broker_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def idp(workdir: Path, broker_port: int) -> Iterator[IdpProcess]:
+    """The MCP identity provider; knows the main broker's login client and /mcp resource."""
+    config = IdpConfig(
+        resources=[f"http://127.0.0.1:{broker_port}/mcp"],
+        clients=[
+            client_metadata(
+                "broker-login",
+                [f"http://127.0.0.1:{broker_port}/login/callback"],
+                client_secret="broker-login-secret",
+            ),
+            client_metadata("mcp-client", ["http://127.0.0.1:9/callback"]),
+        ],
+    )
+    with running_idp(config, workdir) as process:
+        yield process
+
+
+@pytest.fixture(scope="session")
+def broker_config(idp: IdpProcess, broker_port: int) -> BrokerConfig:
+    return BrokerConfig(issuer=idp.issuer, port=broker_port, providers={"demo": DEMO_PROVIDER})
+
+
+@pytest.fixture(scope="session")
+def broker(broker_config: BrokerConfig, workdir: Path) -> Iterator[BrokerProcess]:
+    with running_broker(broker_config, workdir) as process:
+        yield process
+
+
+@pytest.fixture
+def token_for(idp: IdpProcess, broker: BrokerProcess) -> Any:
+    """Mint an access token signed with the IdP's own key (edge cases are overridable)."""
+
+    def mint(user: str, **overrides: Any) -> str:
+        options: dict[str, Any] = {"issuer": idp.issuer, "audience": broker.mcp_url,
+                                   "subject": user}
+        options.update(overrides)
+        return mint_token(idp.signing_jwk, **options)
+
+    return mint
+
+
+@pytest.fixture
+async def mcp(broker: BrokerProcess) -> AsyncIterator[McpHttp]:
+    client = McpHttp(broker.mcp_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def browser(broker: BrokerProcess) -> AsyncIterator[Browser]:
+    client = Browser(broker.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def second_browser(broker: BrokerProcess) -> AsyncIterator[Browser]:
+    client = Browser(broker.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(scope="session")
+async def db(broker: BrokerProcess) -> AsyncIterator[AsyncEngine]:
+    """Direct access to the broker's database, for asserting what was (not) stored."""
+    engine = create_engine(broker.database_url, pool_size=2)
+    yield engine
+    await engine.dispose()
+
+
+async def flow_row(db: AsyncEngine, flow_id: str) -> dict[str, Any] | None:
+    async with db.connect() as connection:
+        row = (await connection.execute(text("SELECT * FROM flows WHERE id = :id"),
+                                        {"id": flow_id})).mappings().first()
+    return dict(row) if row else None
+
+
+async def count_rows(db: AsyncEngine, table: str, **where: Any) -> int:
+    clause = " AND ".join(f"{key} = :{key}" for key in where) or "1=1"
+    async with db.connect() as connection:
+        value = await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {clause}"),
+                                        where)
+    return int(value or 0)

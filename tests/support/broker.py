@@ -1,0 +1,212 @@
+"""A real broker process for tests: `connect-broker serve` with a generated TOML config.
+
+The database is SQLite or PostgreSQL, chosen by `BROKER_TEST_DB` (`sqlite` default, `postgresql`);
+each broker gets a fresh database built by `connect-broker migrate`. Logs go to a file the tests
+can read (canary sweeps, security events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from app.crypto import generate_key
+
+from .idp import free_port
+
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+START_TIMEOUT = 30.0
+
+
+def database_kind() -> str:
+    kind = os.environ.get("BROKER_TEST_DB", "sqlite")
+    if kind not in ("sqlite", "postgresql"):
+        raise RuntimeError(f"BROKER_TEST_DB must be sqlite or postgresql, not {kind!r}")
+    return kind
+
+
+def fresh_database(workdir: Path, name: str) -> str:
+    """A new, empty database URL of the configured kind."""
+    if database_kind() == "sqlite":
+        return f"sqlite:///{workdir / (name + '.db')}"
+    db_name = f"broker_test_{name}_{os.getpid()}_{secrets.token_hex(3)}"
+
+    async def create() -> None:
+        import asyncpg
+
+        connection = await asyncpg.connect(PG_ADMIN.replace("postgresql://", "postgres://"))
+        try:
+            await connection.execute(f'CREATE DATABASE "{db_name}"')
+        finally:
+            await connection.close()
+
+    asyncio.run(create())
+    return f"postgresql://postgres@127.0.0.1:5432/{db_name}"
+
+
+def drop_database(url: str) -> None:
+    if not url.startswith("postgresql://"):
+        return
+    name = url.rsplit("/", 1)[1]
+
+    async def drop() -> None:
+        import asyncpg
+
+        connection = await asyncpg.connect(PG_ADMIN.replace("postgresql://", "postgres://"))
+        try:
+            await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await connection.close()
+
+    asyncio.run(drop())
+
+
+def toml_value(value: Any) -> str:
+    return json.dumps(value)
+
+
+@dataclass
+class BrokerConfig:
+    issuer: str
+    port: int = 0
+    login_client_id: str = "broker-login"
+    login_client_secret: str = "broker-login-secret"
+    identity_claim: str = "sub"
+    required_scopes: list[str] = field(default_factory=list)
+    retry_wait_seconds: float = 3
+    signing: list[str] = field(default_factory=lambda: [generate_key("s1")])
+    encryption: list[str] = field(default_factory=lambda: [generate_key("e1")])
+    providers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = free_port()
+
+    @property
+    def public_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def mcp_url(self) -> str:
+        return f"{self.public_url}/mcp"
+
+    def render(self, database_url: str) -> str:
+        server = {"public_url": self.public_url, "retry_wait_seconds": self.retry_wait_seconds,
+                  **self.extra.get("server", {})}
+        identity = {
+            "issuer": self.issuer,
+            "identity_claim": self.identity_claim,
+            "login_client_id": self.login_client_id,
+            "login_client_secret": self.login_client_secret,
+            "required_scopes": self.required_scopes,
+        }
+        sections = {
+            "server": server,
+            "database": {"url": database_url},
+            "identity": identity,
+            "keys": {"signing": self.signing, "encryption": self.encryption},
+        }
+        lines: list[str] = []
+        for section, values in sections.items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
+        for name, values in self.providers.items():
+            lines.append(f"[providers.{name}]")
+            nested = {k: v for k, v in values.items() if isinstance(v, dict)}
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if k not in nested]
+            for key, table in nested.items():
+                lines.append(f"[providers.{name}.{key}]")
+                lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class BrokerProcess:
+    config: BrokerConfig
+    config_path: Path
+    log_path: Path
+    database_url: str
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return self.config.public_url
+
+    @property
+    def mcp_url(self) -> str:
+        return self.config.mcp_url
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def cli(*args: str, config_path: Path, env: dict[str, str] | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "--config", str(config_path), *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})}, check=False,
+    )
+
+
+def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -> BrokerProcess:
+    workdir.mkdir(parents=True, exist_ok=True)
+    database_url = fresh_database(workdir, name)
+    config_path = workdir / f"{name}-{config.port}.toml"
+    config_path.write_text(config.render(database_url))
+    migrated = cli("migrate", config_path=config_path)
+    if migrated.returncode != 0:
+        raise RuntimeError(f"migrate failed: {migrated.stderr}")
+    log_path = workdir / f"{name}-{config.port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "--config", str(config_path), "serve",
+             "--port", str(config.port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    broker = BrokerProcess(config, config_path, log_path, database_url, process)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"broker exited: {broker.log()}")
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(f"{config.public_url}/healthz", timeout=1).status_code == 200:
+                return broker
+        time.sleep(0.1)
+    broker.stop()
+    raise RuntimeError(f"broker did not start: {broker.log()}")
+
+
+@contextlib.contextmanager
+def running_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker",
+                   keep_database: bool = False) -> Iterator[BrokerProcess]:
+    broker = start_broker(config, workdir, name=name)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+        if not keep_database:
+            drop_database(broker.database_url)
