@@ -217,8 +217,7 @@ def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
             )
         elif section in SECTIONS and key:
             _set_dotted(raw, f"{section}.{key.lower()}", _env_value(value))
-        else:
-            raise ConfigError(f"{variable}: unknown setting (expected BROKER_<SECTION>_<KEY>)")
+        # other BROKER_* variables belong to no section and are not ours to judge
 
 
 def _env_value(value: str) -> Any:
