@@ -137,4 +137,4 @@ async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     return response
 
 
-DATABASE_ERRORS: tuple[type[Exception], ...] = (OperationalError, DBAPIError, PoolTimeout)
+DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout)

@@ -76,8 +76,11 @@ def token_for(idp: IdpProcess, broker: BrokerProcess) -> Any:
     """Mint an access token signed with the IdP's own key (edge cases are overridable)."""
 
     def mint(user: str, **overrides: Any) -> str:
-        options: dict[str, Any] = {"issuer": idp.issuer, "audience": broker.mcp_url,
-                                   "subject": user}
+        options: dict[str, Any] = {
+            "issuer": idp.issuer,
+            "audience": broker.mcp_url,
+            "subject": user,
+        }
         options.update(overrides)
         return mint_token(idp.signing_jwk, **options)
 
@@ -115,14 +118,16 @@ async def db(broker: BrokerProcess) -> AsyncIterator[AsyncEngine]:
 
 async def flow_row(db: AsyncEngine, flow_id: str) -> dict[str, Any] | None:
     async with db.connect() as connection:
-        row = (await connection.execute(text("SELECT * FROM flows WHERE id = :id"),
-                                        {"id": flow_id})).mappings().first()
+        row = (
+            (await connection.execute(text("SELECT * FROM flows WHERE id = :id"), {"id": flow_id}))
+            .mappings()
+            .first()
+        )
     return dict(row) if row else None
 
 
 async def count_rows(db: AsyncEngine, table: str, **where: Any) -> int:
     clause = " AND ".join(f"{key} = :{key}" for key in where) or "1=1"
     async with db.connect() as connection:
-        value = await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {clause}"),
-                                        where)
+        value = await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {clause}"), where)
     return int(value or 0)

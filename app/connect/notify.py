@@ -100,7 +100,7 @@ class PostgresFlowNotifier(FlowNotifier):
                 continue
             lost = asyncio.Event()
             try:
-                connection.add_termination_listener(lambda _c: lost.set())
+                connection.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await connection.add_listener(CHANNEL, self._on_notify)
                 await lost.wait()
             except (OSError, asyncpg.PostgresError):

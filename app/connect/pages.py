@@ -9,6 +9,7 @@ moves a flow; POSTs need the session's CSRF token and a same-origin request, and
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
@@ -23,7 +24,7 @@ from app.deps import RuntimeDep, SessionDep
 from app.errors import CsrfFailed, Forbidden, NotFound, PayloadTooLarge
 from app.models import OPEN_FLOW_STATUSES, FlowStatus
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
-from app.providers.settings import ApiKeyProviderSettings
+from app.providers.settings import ApiKeyProviderSettings, ProviderSettings
 from app.runtime import Runtime
 from app.templating import render
 
@@ -31,7 +32,7 @@ router = APIRouter(include_in_schema=False)
 
 FLOW_ID = re.compile(r"^[A-Za-z0-9_-]{43}$")
 MAX_FORM_BYTES = 16 * 1024
-OUTCOME_STATUS = {FlowStatus.expired: 410, FlowStatus.failed: 200}
+OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 
 
 class WrongAccount(Forbidden):
@@ -246,3 +247,8 @@ async def disconnect(
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     await credentials.remove(session, principal=user.principal, provider=provider, audience="mcp")
     return RedirectResponse("/connections", status_code=303)
+
+
+def _display_name(providers: Mapping[str, ProviderSettings], name: str) -> str:
+    provider = providers.get(name)
+    return provider.display_name if provider else name

@@ -11,6 +11,7 @@ same URL with a fresh state; declined/cancelled/expired → an `isError` result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -223,7 +224,7 @@ class CallToolRound:
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
         provider = self.runtime.settings.providers.get(flow.provider) if flow else None
         name = provider.display_name if provider else "the account"
-        messages = {
+        messages: dict[str, str] = {
             FlowStatus.declined: f"The user declined to connect {name}.",
             FlowStatus.cancelled: (
                 f"Connecting {name} was cancelled. Call the tool again to get a new link."
@@ -243,11 +244,11 @@ class CallToolRound:
 
 
 async def wait_for_flow(
-    runtime: Runtime, flow_id: str, caller: McpCaller, timeout: float
+    runtime: Runtime, flow_id: str, caller: McpCaller, wait_seconds: float
 ) -> FlowView | None:
-    """The flow once it is no longer open, or as it stands after `timeout` seconds."""
+    """The flow once it is no longer open, or as it stands after `wait_seconds`."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + wait_seconds
     with runtime.notifier.subscribe(flow_id) as changed:
         while True:
             changed.clear()
@@ -256,12 +257,10 @@ async def wait_for_flow(
             remaining = deadline - loop.time()
             if flow is None or not flow.is_open or remaining <= 0:
                 return flow
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     changed.wait(), min(remaining, runtime.notifier.poll_interval)
                 )
-            except TimeoutError:
-                pass
 
 
 def _input_responses(params: dict[str, Any]) -> dict[str, Any]:

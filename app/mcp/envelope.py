@@ -75,7 +75,9 @@ def parse_body(body: bytes) -> Message:
     except _DuplicateKey:
         raise _invalid("Duplicate keys in a JSON object are not accepted") from None
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise JsonRpcError(PARSE_ERROR, "Parse error: the body is not valid JSON", http_status=400)
+        raise JsonRpcError(
+            PARSE_ERROR, "Parse error: the body is not valid JSON", http_status=400
+        ) from None
     if isinstance(document, list):
         raise _invalid("Batches are not supported: send one JSON-RPC message per request")
     if not isinstance(document, dict) or document.get("jsonrpc") != "2.0":

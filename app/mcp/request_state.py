@@ -47,7 +47,7 @@ def arguments_digest(arguments: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-class _Serializer(URLSafeTimedSerializer):  # type: ignore[misc]
+class _Serializer(URLSafeTimedSerializer):
     default_signer_kwargs = {"digest_method": hashlib.sha256}  # noqa: RUF012
 
 

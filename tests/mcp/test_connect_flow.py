@@ -65,13 +65,18 @@ async def test_api_key_flow_completes_and_the_retry_returns_connected(
     assert "is connected" in done.text
 
     retry = await mcp.call_tool(
-        token, "connect_account", {"provider": "demo"},
-        input_responses={key: {"action": "accept"}}, request_state=result["requestState"],
+        token,
+        "connect_account",
+        {"provider": "demo"},
+        input_responses={key: {"action": "accept"}},
+        request_state=result["requestState"],
     )
     body = retry.json()
     validate_response(body, "CallToolResult")
     assert body["result"]["structuredContent"] == {
-        "provider": "demo", "status": "connected", "account": None,
+        "provider": "demo",
+        "status": "connected",
+        "account": None,
     }
     assert API_KEY not in retry.text
     assert (await flow_row(db, flow_id) or {})["status"] == "consumed"

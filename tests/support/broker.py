@@ -105,8 +105,11 @@ class BrokerConfig:
         return f"{self.public_url}/mcp"
 
     def render(self, database_url: str) -> str:
-        server = {"public_url": self.public_url, "retry_wait_seconds": self.retry_wait_seconds,
-                  **self.extra.get("server", {})}
+        server = {
+            "public_url": self.public_url,
+            "retry_wait_seconds": self.retry_wait_seconds,
+            **self.extra.get("server", {}),
+        }
         identity = {
             "issuer": self.issuer,
             "identity_claim": self.identity_claim,
@@ -163,12 +166,16 @@ class BrokerProcess:
                 self.process.wait(5)
 
 
-def cli(*args: str, config_path: Path, env: dict[str, str] | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, config_path: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "app.cli", "--config", str(config_path), *args],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})}, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
     )
 
 
@@ -183,9 +190,18 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
     log_path = workdir / f"{name}-{config.port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "--config", str(config_path), "serve",
-             "--port", str(config.port)],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "--config",
+                str(config_path),
+                "serve",
+                "--port",
+                str(config.port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     broker = BrokerProcess(config, config_path, log_path, database_url, process)
     deadline = time.monotonic() + START_TIMEOUT
@@ -201,8 +217,9 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
 
 
 @contextlib.contextmanager
-def running_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker",
-                   keep_database: bool = False) -> Iterator[BrokerProcess]:
+def running_broker(
+    config: BrokerConfig, workdir: Path, *, name: str = "broker", keep_database: bool = False
+) -> Iterator[BrokerProcess]:
     broker = start_broker(config, workdir, name=name)
     try:
         yield broker

@@ -45,8 +45,9 @@ def request_headers(body: dict[str, Any], token: str | None) -> dict[str, str]:
         "Content-Type": "application/json",
         "Accept": "application/json, text/event-stream",
         "MCP-Protocol-Version": str(
-            body.get("params", {}).get("_meta", {}).get("io.modelcontextprotocol/protocolVersion",
-                                                       PROTOCOL_VERSION)
+            body.get("params", {})
+            .get("_meta", {})
+            .get("io.modelcontextprotocol/protocolVersion", PROTOCOL_VERSION)
         ),
         "Mcp-Method": str(body.get("method", "")),
     }
@@ -74,10 +75,14 @@ class McpHttp:
         drop: tuple[str, ...] = (),
         raw: bytes | None = None,
     ) -> httpx2.Response:
-        base = request_headers(body, token) if isinstance(body, dict) else {
-            "Content-Type": "application/json",
-            **({"Authorization": f"Bearer {token}"} if token else {}),
-        }
+        base = (
+            request_headers(body, token)
+            if isinstance(body, dict)
+            else {
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {token}"} if token else {}),
+            }
+        )
         merged = {k: v for k, v in {**base, **(headers or {})}.items() if k not in drop}
         content = raw if raw is not None else httpx2.Request("POST", "/", json=body).content
         return await self.http.post(self.mcp_url, content=content, headers=merged)

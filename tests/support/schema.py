@@ -24,8 +24,10 @@ def _registry() -> Registry:
 
 def validate(instance: Any, definition: str) -> None:
     """Raise jsonschema.ValidationError unless `instance` is a valid `definition`."""
-    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
-              "$ref": f"{SCHEMA_ID}#/$defs/{definition}"}
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$ref": f"{SCHEMA_ID}#/$defs/{definition}",
+    }
     Draft202012Validator(schema, registry=_registry()).validate(instance)
 
 
@@ -37,6 +39,9 @@ def validate_response(body: dict[str, Any], result_kind: str | None = None) -> N
     validate(body, "JSONRPCResultResponse")
     result = body["result"]
     if result_kind is None:
-        result_kind = "InputRequiredResult" if result.get("resultType") == "input_required" \
+        result_kind = (
+            "InputRequiredResult"
+            if result.get("resultType") == "input_required"
             else "CallToolResult"
+        )
     validate(result, result_kind)
