@@ -9,6 +9,7 @@ from app.mcp.protocol import missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
     InputRequired,
+    Tool,
     ToolCall,
     ToolRegistry,
     ToolResult,
@@ -17,70 +18,89 @@ from app.runtime import Runtime
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
 CONFIRM_KEY = "confirm_disconnect"
+AUDIENCE = "mcp"
 
 
-def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
-    """Add the four broker tools to `registry`."""
-    providers = runtime.settings.providers
+def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
 
-    async def connections_of(call: ToolCall) -> list[credentials.ConnectionInfo]:
-        async with runtime.sessionmaker() as session:
-            return await credentials.list_for(
-                session, principal=call.caller.principal, audience="mcp"
+
+class BrokerTools:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.providers = runtime.settings.providers
+
+    def register(self, registry: ToolRegistry) -> None:
+        registry.add(
+            Tool(
+                name="connect_account",
+                description=(
+                    "Make sure the user's account at a provider is connected. If it is not, the "
+                    "user is asked to open a link in their browser to connect it."
+                ),
+                handler=self.connect_account,
+                input_schema=_schema(
+                    {
+                        "provider": PROVIDER_ARGUMENT,
+                        "scopes": {
+                            "type": "array",
+                            "items": {"type": "string"},
+                            "description": "OAuth scopes the connection must include",
+                        },
+                    },
+                    ["provider"],
+                ),
+                annotations={"readOnlyHint": False, "openWorldHint": True},
             )
-
-    def unknown_provider(name: object) -> ToolResult:
-        known = ", ".join(sorted(providers)) or "none"
-        return ToolResult(
-            text=f"Unknown provider {name!s:.64}. Known providers: {known}.", is_error=True
+        )
+        registry.add(
+            Tool(
+                name="list_connections",
+                description="List the user's connected accounts.",
+                handler=self.list_connections,
+                annotations={"readOnlyHint": True},
+            )
+        )
+        registry.add(
+            Tool(
+                name="disconnect_account",
+                description="Disconnect the user's account at a provider, after asking to confirm.",
+                handler=self.disconnect_account,
+                input_schema=_schema({"provider": PROVIDER_ARGUMENT}, ["provider"]),
+                annotations={"destructiveHint": True, "idempotentHint": True},
+            )
+        )
+        registry.add(
+            Tool(
+                name="list_providers",
+                description="List providers the user can connect, and which are connected.",
+                handler=self.list_providers,
+                annotations={"readOnlyHint": True},
+            )
         )
 
-    @registry.tool(
-        "connect_account",
-        description=(
-            "Make sure the user's account at a provider is connected. If it is not, the user is "
-            "asked to open a link in their browser to connect it."
-        ),
-        input_schema={
-            "type": "object",
-            "properties": {
-                "provider": PROVIDER_ARGUMENT,
-                "scopes": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "OAuth scopes the connection must include",
-                },
-            },
-            "required": ["provider"],
-            "additionalProperties": False,
-        },
-        annotations={"readOnlyHint": False, "openWorldHint": True},
-    )
-    async def connect_account(call: ToolCall) -> ToolResult:
+    async def connect_account(self, call: ToolCall) -> ToolResult:
         provider = call.arguments.get("provider")
         scopes = call.arguments.get("scopes") or []
-        if not isinstance(provider, str) or provider not in providers:
-            return unknown_provider(provider)
+        if not isinstance(provider, str) or provider not in self.providers:
+            return self._unknown_provider(provider)
         if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
             return ToolResult(text="scopes must be a list of strings", is_error=True)
-        kind = providers[provider].kind
-        credential = await call.connections.require(
-            provider, tuple(scopes) if kind != "api_key" else ()
-        )
-        name = providers[provider].display_name
+        settings = self.providers[provider]
+        wanted = tuple(scopes) if settings.kind != "api_key" else ()
+        credential = await call.connections.require(provider, wanted)
         account = credential.account_label
         return ToolResult(
-            text=f"{name} is connected" + (f" as {account}." if account else "."),
+            text=f"{settings.display_name} is connected" + (f" as {account}." if account else "."),
             structured={"provider": provider, "status": "connected", "account": account},
         )
 
-    @registry.tool(
-        "list_connections",
-        description="List the user's connected accounts.",
-        annotations={"readOnlyHint": True},
-    )
-    async def list_connections(call: ToolCall) -> ToolResult:
-        rows = await connections_of(call)
+    async def list_connections(self, call: ToolCall) -> ToolResult:
         items = [
             {
                 "provider": row.provider,
@@ -88,17 +108,14 @@ def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
                 "status": row.status,
                 "connected_at": row.connected_at.isoformat(),
             }
-            for row in rows
+            for row in await self._connections_of(call)
         ]
         return ToolResult(structured={"connections": items})
 
-    @registry.tool(
-        "list_providers",
-        description="List the providers the user can connect, and whether each is connected.",
-        annotations={"readOnlyHint": True},
-    )
-    async def list_providers(call: ToolCall) -> ToolResult:
-        connected = {row.provider for row in await connections_of(call) if row.status == "active"}
+    async def list_providers(self, call: ToolCall) -> ToolResult:
+        connected = {
+            row.provider for row in await self._connections_of(call) if row.status == "active"
+        }
         items = [
             {
                 "name": name,
@@ -106,26 +123,15 @@ def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
                 "display_name": provider.display_name,
                 "connected": name in connected,
             }
-            for name, provider in providers.items()
+            for name, provider in self.providers.items()
         ]
         return ToolResult(structured={"providers": items})
 
-    @registry.tool(
-        "disconnect_account",
-        description="Disconnect the user's account at a provider, after asking them to confirm.",
-        input_schema={
-            "type": "object",
-            "properties": {"provider": PROVIDER_ARGUMENT},
-            "required": ["provider"],
-            "additionalProperties": False,
-        },
-        annotations={"destructiveHint": True, "idempotentHint": True},
-    )
-    async def disconnect_account(call: ToolCall) -> ToolResult | InputRequired:
+    async def disconnect_account(self, call: ToolCall) -> ToolResult | InputRequired:
         provider = call.arguments.get("provider")
-        if not isinstance(provider, str) or provider not in providers:
-            return unknown_provider(provider)
-        name = providers[provider].display_name
+        if not isinstance(provider, str) or provider not in self.providers:
+            return self._unknown_provider(provider)
+        name = self.providers[provider].display_name
         try:
             credential = await call.connections.require(provider)
         except ConnectionRequired:
@@ -137,9 +143,9 @@ def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
         if answer is None:
             return _confirm(call, name, credential.account_label, provider)
         if answer.get("action") == "accept" and (answer.get("content") or {}).get("confirm"):
-            async with runtime.sessionmaker.begin() as session:
+            async with self.runtime.sessionmaker.begin() as session:
                 await credentials.remove(
-                    session, principal=call.caller.principal, provider=provider, audience="mcp"
+                    session, principal=call.caller.principal, provider=provider, audience=AUDIENCE
                 )
             return ToolResult(
                 text=f"{name} was disconnected.",
@@ -148,6 +154,18 @@ def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
         return ToolResult(
             text=f"{name} stays connected.",
             structured={"provider": provider, "status": "connected"},
+        )
+
+    async def _connections_of(self, call: ToolCall) -> list[credentials.ConnectionInfo]:
+        async with self.runtime.sessionmaker() as session:
+            return await credentials.list_for(
+                session, principal=call.caller.principal, audience=AUDIENCE
+            )
+
+    def _unknown_provider(self, name: object) -> ToolResult:
+        known = ", ".join(sorted(self.providers)) or "none"
+        return ToolResult(
+            text=f"Unknown provider {name!s:.64}. Known providers: {known}.", is_error=True
         )
 
 
@@ -180,3 +198,8 @@ def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> I
         },
         state=provider,
     )
+
+
+def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
+    """Add the four broker tools to `registry`."""
+    BrokerTools(runtime).register(registry)

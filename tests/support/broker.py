@@ -40,9 +40,10 @@ def database_kind() -> str:
 
 def fresh_database(workdir: Path, name: str) -> str:
     """A new, empty database URL of the configured kind."""
+    unique = f"{name}_{os.getpid()}_{secrets.token_hex(3)}"
     if database_kind() == "sqlite":
-        return f"sqlite:///{workdir / (name + '.db')}"
-    db_name = f"broker_test_{name}_{os.getpid()}_{secrets.token_hex(3)}"
+        return f"sqlite:///{workdir / (unique + '.db')}"
+    db_name = f"broker_test_{unique}"
 
     async def create() -> None:
         import asyncpg
@@ -58,7 +59,9 @@ def fresh_database(workdir: Path, name: str) -> str:
 
 
 def drop_database(url: str) -> None:
-    if not url.startswith("postgresql://"):
+    if url.startswith("sqlite:///"):
+        for suffix in ("", "-wal", "-shm"):
+            Path(url.removeprefix("sqlite:///") + suffix).unlink(missing_ok=True)
         return
     name = url.rsplit("/", 1)[1]
 
