@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     key_commands = keys.add_subparsers(required=True, metavar="ACTION")
     generate = key_commands.add_parser("generate", help="print a fresh [keys] block")
     generate.set_defaults(handler=_keys_generate)
+    rotate = key_commands.add_parser(
+        "rotate", help="re-seal stored credentials with the first (active) encryption key"
+    )
+    rotate.set_defaults(handler=_keys_rotate)
     return parser
 
 
@@ -126,6 +130,29 @@ def _keys_generate(_args: argparse.Namespace) -> int:
     print("[keys]")  # noqa: T201
     print(f'signing = ["{generate_key("s-" + suffix)}"]')  # noqa: T201
     print(f'encryption = ["{generate_key("e-" + suffix)}"]')  # noqa: T201
+    return 0
+
+
+def _keys_rotate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.credentials import reseal_all
+    from app.crypto import Keyring
+    from app.db import create_engine, create_sessionmaker
+
+    settings = _settings(args)
+    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
+
+    async def rotate() -> int:
+        engine = create_engine(settings.database.url, pool_size=1)
+        try:
+            async with create_sessionmaker(engine).begin() as session:
+                return await reseal_all(session, keys=keys)
+        finally:
+            await engine.dispose()
+
+    count = asyncio.run(rotate())
+    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")  # noqa: T201
     return 0
 
 

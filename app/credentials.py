@@ -170,3 +170,27 @@ async def remove(
         )
     )
     return bool(getattr(result, "rowcount", 0))
+
+
+async def reseal_all(session: AsyncSession, *, keys: Keyring) -> int:
+    """Re-encrypt every credential not sealed with the active key (after a key rotation).
+
+    Rows that no configured key opens are left untouched and logged.
+    """
+    active_id, _ = keys.current()
+    rows = (
+        await session.execute(select(Connection).where(Connection.key_id != active_id))
+    ).scalars()
+    count = 0
+    for row in rows:
+        purpose = _purpose(Principal(row.issuer, row.subject), row.provider, row.audience)
+        try:
+            plaintext = unseal(row.sealed_credential, purpose=purpose, keys=keys)
+        except InvalidSeal:
+            logger.warning("credential.decrypt_failed connection=%s", row.id)
+            continue
+        row.sealed_credential = seal(plaintext, purpose=purpose, keys=keys)
+        row.key_id = active_id
+        count += 1
+    await session.flush()
+    return count

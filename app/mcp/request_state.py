@@ -58,13 +58,14 @@ class RequestStateCodec:
         # itsdangerous signs with the last key of the list and verifies with all of them.
         secrets = list(reversed(keys.derive("request-state")))
         self._serializer = _Serializer(secrets, salt=SALT)
-        self._principal_key = keys.derive("request-state-principal")[0]
+        # every configured key, active first: a state issued before a rotation still verifies
+        self._principal_keys = keys.derive("request-state-principal")
         self._max_age = max_age
         self._clock = clock
 
-    def _principal_mac(self, caller: McpCaller) -> str:
+    def _principal_macs(self, caller: McpCaller) -> list[str]:
         who = f"{caller.principal.issuer}|{caller.principal.subject}".encode()
-        return hmac.new(self._principal_key, who, hashlib.sha256).hexdigest()[:32]
+        return [hmac.new(key, who, hashlib.sha256).hexdigest()[:32] for key in self._principal_keys]
 
     def issue(
         self,
@@ -79,7 +80,7 @@ class RequestStateCodec:
     ) -> str:
         payload: dict[str, Any] = {
             "v": 1,
-            "p": self._principal_mac(caller),
+            "p": self._principal_macs(caller)[0],
             "c": caller.client_id,
             "m": method,
             "n": name,
@@ -113,7 +114,8 @@ class RequestStateCodec:
             raise self._reject("invalid") from None
         if not isinstance(payload, dict) or payload.get("v") != 1:
             raise self._reject("invalid")
-        if not hmac.compare_digest(str(payload.get("p")), self._principal_mac(caller)):
+        presented = str(payload.get("p"))
+        if not any(hmac.compare_digest(presented, mac) for mac in self._principal_macs(caller)):
             raise self._reject("principal_mismatch")
         bound = (payload.get("c"), payload.get("m"), payload.get("n"), payload.get("a"))
         if bound != (caller.client_id, method, name, arguments_digest):

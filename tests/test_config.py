@@ -1,0 +1,153 @@
+"""Configuration: TOML + BROKER_* overrides, validation that names the bad key, CLI checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, load_settings, require_serve_ready
+from app.crypto import generate_key
+
+from .support.broker import BrokerConfig, cli
+
+KEYS = f'signing = ["{generate_key("s1")}"]\nencryption = ["{generate_key("e1")}"]\n'
+VALID = f"""
+[server]
+public_url = "https://broker.example.com"
+
+[identity]
+issuer = "https://idp.example.com"
+login_client_id = "broker"
+
+[keys]
+{KEYS}
+[providers.demo]
+kind = "api_key"
+display_name = "Demo"
+pattern = "^sk_[a-z0-9]+$"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "broker.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_derived_values(tmp_path: Path) -> None:
+    """Documented defaults: SQLite under ./data, 20 s retry wait, 600 s flows, audience /mcp."""
+    settings = load_settings(write(tmp_path, VALID), environ={})
+
+    assert settings.database.url == "sqlite:///./data/broker.db"
+    assert settings.server.retry_wait_seconds == 20
+    assert settings.server.flow_ttl_seconds == 600
+    assert settings.audience == "https://broker.example.com/mcp"
+    assert settings.identity.identity_claim == "sub"
+    assert settings.identity.required_scopes == ()
+    assert settings.providers["demo"].display_name == "Demo"
+    require_serve_ready(settings)
+
+
+def test_environment_overrides_every_section_and_providers(tmp_path: Path) -> None:
+    environ = {
+        "BROKER_IDENTITY_ISSUER": "https://other-idp.example.com",
+        "BROKER_SERVER_RETRY_WAIT_SECONDS": "5",
+        "BROKER_IDENTITY_REQUIRED_SCOPES": "mcp:tools, openid",
+        "BROKER_PROVIDERS_DEMO_DISPLAY_NAME": "Demo from env",
+        "BROKER_DATABASE_URL": "postgresql://user@db.internal/broker",
+    }
+
+    settings = load_settings(write(tmp_path, VALID), environ=environ)
+
+    assert settings.identity.issuer == "https://other-idp.example.com"
+    assert settings.server.retry_wait_seconds == 5
+    assert settings.identity.required_scopes == ("mcp:tools", "openid")
+    assert settings.providers["demo"].display_name == "Demo from env"
+    assert settings.database.url == "postgresql://user@db.internal/broker"
+
+
+def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret-from-file\n")
+    text = VALID.replace('login_client_id = "broker"',
+                         f'login_client_id = "broker"\nlogin_client_secret_file = "{secret_file}"')
+
+    settings = load_settings(write(tmp_path, text), environ={})
+
+    assert settings.identity.login_client_secret.get_secret_value() == "s3cret-from-file"
+    assert "s3cret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (('public_url = "https://broker.example.com"', 'public_url = "ftp://x"'),
+         "server.public_url"),
+        (('public_url = "https://broker.example.com"', 'public_url = "http://broker.example.com"'),
+         "server.public_url"),
+        (('[server]', '[server]\nretry_wait_seconds = -1'), "server.retry_wait_seconds"),
+        (('[server]', '[server]\nunknown_key = 1'), "server.unknown_key"),
+        (('signing = ["', 'signing = ["x:tooshort", "'), "keys.signing"),
+        (('pattern = "^sk_[a-z0-9]+$"', 'pattern = "(unclosed"'), "providers.demo.pattern"),
+        (('kind = "api_key"', 'kind = "telepathy"'), "providers.demo.kind"),
+        (('[identity]', '[identity]\nissuer_typo = "x"'), "identity.issuer_typo"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_key(
+    tmp_path: Path, change: tuple[str, str], key: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        settings = load_settings(write(tmp_path, VALID.replace(*change)), environ={})
+        require_serve_ready(settings)
+
+    assert str(error.value).startswith(key)
+
+
+def test_serve_requires_an_issuer_and_keys(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, "[server]\n"), environ={})
+
+    with pytest.raises(ConfigError, match=r"^identity\.issuer"):
+        require_serve_ready(settings)
+
+
+def test_check_config_command_reports_ok_and_names_the_bad_key(tmp_path: Path) -> None:
+    good = cli("check-config", config_path=write(tmp_path, VALID))
+    bad = cli("check-config", config_path=write(tmp_path, VALID.replace(
+        'issuer = "https://idp.example.com"', 'issuer = "https://user:pw@idp.example.com"')))
+
+    assert good.returncode == 0, good.stderr
+    assert "configuration OK" in good.stdout
+    assert bad.returncode == 2
+    assert "identity.issuer" in bad.stderr
+
+
+def test_serve_refuses_a_bad_config_the_same_way(tmp_path: Path) -> None:
+    config = write(tmp_path, VALID.replace('[server]', '[server]\nflow_ttl_seconds = 5'))
+
+    result = cli("serve", "--port", "9", config_path=config, timeout=30)
+
+    assert result.returncode == 2
+    assert "server.flow_ttl_seconds" in result.stderr
+
+
+def test_keys_generate_prints_a_usable_keys_block(tmp_path: Path) -> None:
+    result = cli("keys", "generate", config_path=tmp_path / "none.toml")
+    text = VALID.replace(KEYS, result.stdout.split("[keys]\n", 1)[1])
+
+    settings = load_settings(write(tmp_path, text), environ={})
+
+    assert result.returncode == 0
+    assert result.stdout.startswith("[keys]\n")
+    assert len(settings.keys.signing) == 1 and len(settings.keys.encryption) == 1
+
+
+def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
+    """The test harness's own config writer must stay in step with the loader."""
+    config = BrokerConfig(issuer="http://127.0.0.1:1", providers={"demo": {
+        "kind": "api_key", "display_name": "Demo",
+        "validation": {"url": "http://127.0.0.1:2/check"}}})
+
+    settings = load_settings(write(tmp_path, config.render("sqlite:///x.db")), environ={})
+
+    assert settings.providers["demo"].validation is not None

@@ -1,0 +1,133 @@
+"""Sealing (AES-GCM bound to its owner), the credential store, and key rotation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app import credentials
+from app.auth.principal import McpCaller, Principal
+from app.crypto import InvalidSeal, Keyring, generate_key, random_token, seal, unseal
+from app.db import create_engine, create_sessionmaker
+from app.mcp.request_state import RequestStateCodec
+from app.migrate import upgrade
+from app.models import Connection
+
+from .support.broker import drop_database, fresh_database
+
+ALICE = Principal("https://idp.example", "alice")
+BOB = Principal("https://idp.example", "bob")
+
+
+@pytest.fixture
+async def sessions(tmp_path: Path) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    url = await asyncio.to_thread(fresh_database, tmp_path, "crypto")
+    await asyncio.to_thread(upgrade, url)  # both run their own event loop
+    engine = create_engine(url, pool_size=2)
+    yield create_sessionmaker(engine)
+    await engine.dispose()
+    await asyncio.to_thread(drop_database, url)
+
+
+def test_seal_round_trip_and_purpose_binding() -> None:
+    keys = Keyring.parse((generate_key("k1"),))
+    sealed = seal(b"gho_secret", purpose="cred:v1|iss|alice|github|mcp", keys=keys)
+
+    assert unseal(sealed, purpose="cred:v1|iss|alice|github|mcp", keys=keys) == b"gho_secret"
+    assert b"gho_secret" not in sealed.encode()
+    with pytest.raises(InvalidSeal):
+        unseal(sealed, purpose="cred:v1|iss|bob|github|mcp", keys=keys)
+    with pytest.raises(InvalidSeal):
+        unseal(sealed[:-2] + ("A" if sealed[-2] != "A" else "B") + sealed[-1], purpose="x",
+               keys=keys)
+
+
+def test_random_tokens_are_43_urlsafe_chars_and_unique() -> None:
+    """T10: 256-bit identifiers, no duplicates in 10k draws."""
+    tokens = {random_token() for _ in range(10_000)}
+
+    assert len(tokens) == 10_000
+    assert all(len(t) == 43 and t.replace("-", "").replace("_", "").isalnum() for t in tokens)
+
+
+async def test_i4_a_credential_copied_to_another_users_row_does_not_open(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """I4/T14: AAD binds the ciphertext to (issuer, subject, provider, audience)."""
+    keys = Keyring.parse((generate_key("k1"),))
+    async with sessions.begin() as session:
+        for principal, secret in ((ALICE, "sk_alice"), (BOB, "sk_bob")):
+            await credentials.store(session, keys=keys, principal=principal, provider="demo",
+                                    audience="mcp", secret={"api_key": secret})
+    async with sessions.begin() as session:
+        alice_row = (await session.execute(
+            select(Connection.sealed_credential).where(Connection.subject == "alice"))).scalar_one()
+        await session.execute(update(Connection).where(Connection.subject == "bob")
+                              .values(sealed_credential=alice_row))
+
+    async with sessions() as session:
+        stolen = await credentials.load(session, keys=keys, principal=BOB, provider="demo",
+                                        audience="mcp")
+        own = await credentials.load(session, keys=keys, principal=ALICE, provider="demo",
+                                     audience="mcp")
+
+    assert stolen is None
+    assert own is not None and own.secret == "sk_alice"
+
+
+async def test_i5_rotation_reseals_every_row_and_old_keys_can_then_go(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """I5/T28: new key first, old key kept until `keys rotate` re-sealed every row."""
+    old, new = generate_key("k1"), generate_key("k2")
+    async with sessions.begin() as session:
+        for subject in ("a", "b", "c"):
+            await credentials.store(session, keys=Keyring.parse((old,)),
+                                    principal=Principal("iss", subject), provider="demo",
+                                    audience="mcp", secret={"api_key": f"sk_{subject}"})
+    rotating = Keyring.parse((new, old))
+
+    async with sessions.begin() as session:
+        count = await credentials.reseal_all(session, keys=rotating)
+    async with sessions() as session:
+        key_ids = set((await session.execute(select(Connection.key_id))).scalars())
+        after = await credentials.load(session, keys=Keyring.parse((new,)),
+                                       principal=Principal("iss", "b"), provider="demo",
+                                       audience="mcp")
+
+    assert count == 3
+    assert key_ids == {"k2"}
+    assert after is not None and after.secret == "sk_b"
+
+
+def test_i5_request_state_signed_with_an_old_key_verifies_until_that_key_is_removed() -> None:
+    old, new = generate_key("s1"), generate_key("s2")
+    caller = McpCaller(ALICE, "client", frozenset())
+    binding: dict[str, Any] = {"method": "tools/call", "name": "t", "arguments_digest": "d"}
+    state = RequestStateCodec(Keyring.parse((old,)), max_age=60).issue(caller, **binding)
+
+    still_valid = RequestStateCodec(Keyring.parse((new, old)), max_age=60).verify(
+        state, caller, **binding)
+    with pytest.raises(Exception, match="Invalid or expired requestState"):
+        RequestStateCodec(Keyring.parse((new,)), max_age=60).verify(state, caller, **binding)
+
+    assert still_valid.flow_id is None
+
+
+async def test_database_holds_no_plaintext_secret(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    keys = Keyring.parse((generate_key("k1"),))
+    async with sessions.begin() as session:
+        await credentials.store(session, keys=keys, principal=ALICE, provider="demo",
+                                audience="mcp", secret={"api_key": "sk_CANARYKEY_plaintext"})
+    async with sessions() as session:
+        rows = (await session.execute(text("SELECT * FROM connections"))).all()
+
+    assert rows and "CANARYKEY" not in repr(rows)
