@@ -158,7 +158,7 @@ def _keys_rotate(args: argparse.Namespace) -> int:
 
 def _dev_state(port: int | None) -> dict[str, Any]:
     """The playground's generated secrets and URL, kept in ./data (0600) across runs."""
-    DATA_DIR.mkdir(exist_ok=True)
+    DATA_DIR.mkdir(mode=0o700, exist_ok=True)
     state: dict[str, Any] = json.loads(DEV_STATE.read_text()) if DEV_STATE.exists() else {}
     if not state:
         state = {

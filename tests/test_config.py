@@ -70,8 +70,10 @@ def test_environment_overrides_every_section_and_providers(tmp_path: Path) -> No
 def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text("s3cret-from-file\n")
-    text = VALID.replace('login_client_id = "broker"',
-                         f'login_client_id = "broker"\nlogin_client_secret_file = "{secret_file}"')
+    text = VALID.replace(
+        'login_client_id = "broker"',
+        f'login_client_id = "broker"\nlogin_client_secret_file = "{secret_file}"',
+    )
 
     settings = load_settings(write(tmp_path, text), environ={})
 
@@ -82,16 +84,23 @@ def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "key"),
     [
-        (('public_url = "https://broker.example.com"', 'public_url = "ftp://x"'),
-         "server.public_url"),
-        (('public_url = "https://broker.example.com"', 'public_url = "http://broker.example.com"'),
-         "server.public_url"),
-        (('[server]', '[server]\nretry_wait_seconds = -1'), "server.retry_wait_seconds"),
-        (('[server]', '[server]\nunknown_key = 1'), "server.unknown_key"),
+        (
+            ('public_url = "https://broker.example.com"', 'public_url = "ftp://x"'),
+            "server.public_url",
+        ),
+        (
+            (
+                'public_url = "https://broker.example.com"',
+                'public_url = "http://broker.example.com"',
+            ),
+            "server.public_url",
+        ),
+        (("[server]", "[server]\nretry_wait_seconds = -1"), "server.retry_wait_seconds"),
+        (("[server]", "[server]\nunknown_key = 1"), "server.unknown_key"),
         (('signing = ["', 'signing = ["x:tooshort", "'), "keys.signing"),
         (('pattern = "^sk_[a-z0-9]+$"', 'pattern = "(unclosed"'), "providers.demo.pattern"),
         (('kind = "api_key"', 'kind = "telepathy"'), "providers.demo.kind"),
-        (('[identity]', '[identity]\nissuer_typo = "x"'), "identity.issuer_typo"),
+        (("[identity]", '[identity]\nissuer_typo = "x"'), "identity.issuer_typo"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_key(
@@ -113,8 +122,15 @@ def test_serve_requires_an_issuer_and_keys(tmp_path: Path) -> None:
 
 def test_check_config_command_reports_ok_and_names_the_bad_key(tmp_path: Path) -> None:
     good = cli("check-config", config_path=write(tmp_path, VALID))
-    bad = cli("check-config", config_path=write(tmp_path, VALID.replace(
-        'issuer = "https://idp.example.com"', 'issuer = "https://user:pw@idp.example.com"')))
+    bad = cli(
+        "check-config",
+        config_path=write(
+            tmp_path,
+            VALID.replace(
+                'issuer = "https://idp.example.com"', 'issuer = "https://user:pw@idp.example.com"'
+            ),
+        ),
+    )
 
     assert good.returncode == 0, good.stderr
     assert "configuration OK" in good.stdout
@@ -123,7 +139,7 @@ def test_check_config_command_reports_ok_and_names_the_bad_key(tmp_path: Path) -
 
 
 def test_serve_refuses_a_bad_config_the_same_way(tmp_path: Path) -> None:
-    config = write(tmp_path, VALID.replace('[server]', '[server]\nflow_ttl_seconds = 5'))
+    config = write(tmp_path, VALID.replace("[server]", "[server]\nflow_ttl_seconds = 5"))
 
     result = cli("serve", "--port", "9", config_path=config, timeout=30)
 
@@ -144,9 +160,16 @@ def test_keys_generate_prints_a_usable_keys_block(tmp_path: Path) -> None:
 
 def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
     """The test harness's own config writer must stay in step with the loader."""
-    config = BrokerConfig(issuer="http://127.0.0.1:1", providers={"demo": {
-        "kind": "api_key", "display_name": "Demo",
-        "validation": {"url": "http://127.0.0.1:2/check"}}})
+    config = BrokerConfig(
+        issuer="http://127.0.0.1:1",
+        providers={
+            "demo": {
+                "kind": "api_key",
+                "display_name": "Demo",
+                "validation": {"url": "http://127.0.0.1:2/check"},
+            }
+        },
+    )
 
     settings = load_settings(write(tmp_path, config.render("sqlite:///x.db")), environ={})
 

@@ -44,8 +44,9 @@ def test_seal_round_trip_and_purpose_binding() -> None:
     with pytest.raises(InvalidSeal):
         unseal(sealed, purpose="cred:v1|iss|bob|github|mcp", keys=keys)
     with pytest.raises(InvalidSeal):
-        unseal(sealed[:-2] + ("A" if sealed[-2] != "A" else "B") + sealed[-1], purpose="x",
-               keys=keys)
+        unseal(
+            sealed[:-2] + ("A" if sealed[-2] != "A" else "B") + sealed[-1], purpose="x", keys=keys
+        )
 
 
 def test_random_tokens_are_43_urlsafe_chars_and_unique() -> None:
@@ -63,19 +64,33 @@ async def test_i4_a_credential_copied_to_another_users_row_does_not_open(
     keys = Keyring.parse((generate_key("k1"),))
     async with sessions.begin() as session:
         for principal, secret in ((ALICE, "sk_alice"), (BOB, "sk_bob")):
-            await credentials.store(session, keys=keys, principal=principal, provider="demo",
-                                    audience="mcp", secret={"api_key": secret})
+            await credentials.store(
+                session,
+                keys=keys,
+                principal=principal,
+                provider="demo",
+                audience="mcp",
+                secret={"api_key": secret},
+            )
     async with sessions.begin() as session:
-        alice_row = (await session.execute(
-            select(Connection.sealed_credential).where(Connection.subject == "alice"))).scalar_one()
-        await session.execute(update(Connection).where(Connection.subject == "bob")
-                              .values(sealed_credential=alice_row))
+        alice_row = (
+            await session.execute(
+                select(Connection.sealed_credential).where(Connection.subject == "alice")
+            )
+        ).scalar_one()
+        await session.execute(
+            update(Connection)
+            .where(Connection.subject == "bob")
+            .values(sealed_credential=alice_row)
+        )
 
     async with sessions() as session:
-        stolen = await credentials.load(session, keys=keys, principal=BOB, provider="demo",
-                                        audience="mcp")
-        own = await credentials.load(session, keys=keys, principal=ALICE, provider="demo",
-                                     audience="mcp")
+        stolen = await credentials.load(
+            session, keys=keys, principal=BOB, provider="demo", audience="mcp"
+        )
+        own = await credentials.load(
+            session, keys=keys, principal=ALICE, provider="demo", audience="mcp"
+        )
 
     assert stolen is None
     assert own is not None and own.secret == "sk_alice"
@@ -88,18 +103,27 @@ async def test_i5_rotation_reseals_every_row_and_old_keys_can_then_go(
     old, new = generate_key("k1"), generate_key("k2")
     async with sessions.begin() as session:
         for subject in ("a", "b", "c"):
-            await credentials.store(session, keys=Keyring.parse((old,)),
-                                    principal=Principal("iss", subject), provider="demo",
-                                    audience="mcp", secret={"api_key": f"sk_{subject}"})
+            await credentials.store(
+                session,
+                keys=Keyring.parse((old,)),
+                principal=Principal("iss", subject),
+                provider="demo",
+                audience="mcp",
+                secret={"api_key": f"sk_{subject}"},
+            )
     rotating = Keyring.parse((new, old))
 
     async with sessions.begin() as session:
         count = await credentials.reseal_all(session, keys=rotating)
     async with sessions() as session:
         key_ids = set((await session.execute(select(Connection.key_id))).scalars())
-        after = await credentials.load(session, keys=Keyring.parse((new,)),
-                                       principal=Principal("iss", "b"), provider="demo",
-                                       audience="mcp")
+        after = await credentials.load(
+            session,
+            keys=Keyring.parse((new,)),
+            principal=Principal("iss", "b"),
+            provider="demo",
+            audience="mcp",
+        )
 
     assert count == 3
     assert key_ids == {"k2"}
@@ -113,7 +137,8 @@ def test_i5_request_state_signed_with_an_old_key_verifies_until_that_key_is_remo
     state = RequestStateCodec(Keyring.parse((old,)), max_age=60).issue(caller, **binding)
 
     still_valid = RequestStateCodec(Keyring.parse((new, old)), max_age=60).verify(
-        state, caller, **binding)
+        state, caller, **binding
+    )
     with pytest.raises(Exception, match="Invalid or expired requestState"):
         RequestStateCodec(Keyring.parse((new,)), max_age=60).verify(state, caller, **binding)
 
@@ -125,8 +150,14 @@ async def test_database_holds_no_plaintext_secret(
 ) -> None:
     keys = Keyring.parse((generate_key("k1"),))
     async with sessions.begin() as session:
-        await credentials.store(session, keys=keys, principal=ALICE, provider="demo",
-                                audience="mcp", secret={"api_key": "sk_CANARYKEY_plaintext"})
+        await credentials.store(
+            session,
+            keys=keys,
+            principal=ALICE,
+            provider="demo",
+            audience="mcp",
+            secret={"api_key": "sk_CANARYKEY_plaintext"},
+        )
     async with sessions() as session:
         rows = (await session.execute(text("SELECT * FROM connections"))).all()
 

@@ -41,13 +41,16 @@ router = APIRouter(include_in_schema=False)
 
 LOGIN_TTL_SECONDS = 600
 TOKEN_DEADLINE_SECONDS = 10
-SAFE_NEXT = re.compile(r"^/(connect/[A-Za-z0-9_-]{43}|connections)$")
+SAFE_NEXT = re.compile(r"/(connect/[A-Za-z0-9_-]{43}|connections)")
 MAX_PARAM_LENGTH = 2048
 
 
 def safe_next(value: str | None) -> str:
-    """Only server-known local paths are accepted as a return target (open redirects, T11)."""
-    return value if value and SAFE_NEXT.match(value) else "/connections"
+    """Only server-known local paths are accepted as a return target (open redirects, T11).
+
+    `fullmatch`, not `match` with `$`: `$` also matches before a trailing newline.
+    """
+    return value if value and SAFE_NEXT.fullmatch(value) else "/connections"
 
 
 @router.get("/login", name="login:start")
@@ -55,11 +58,14 @@ async def login(request: Request, runtime: RuntimeDep) -> Response:
     metadata = await _metadata(runtime)
     state, nonce, verifier = random_token(), random_token(), random_token() + random_token()
     async with _client(runtime) as client:
+        # max_age makes the IdP re-authenticate a stale IdP session and report auth_time, so a
+        # "sign in again" after login_max_age_seconds cannot be satisfied by silent SSO (D12).
         url, _ = client.create_authorization_url(
             str(metadata["authorization_endpoint"]),
             state=state,
             nonce=nonce,
             code_verifier=verifier,
+            max_age=runtime.settings.server.login_max_age_seconds,
         )
     record = {
         "s": state,

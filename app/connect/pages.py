@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.exceptions import HTTPException
 from starlette.responses import RedirectResponse, Response
 
 from app import credentials
@@ -21,7 +22,7 @@ from app.auth.browser import BrowserUser, same_origin_post
 from app.connect import service as flows
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
-from app.errors import CsrfFailed, Forbidden, NotFound, PayloadTooLarge
+from app.errors import BrokerError, CsrfFailed, Forbidden, NotFound, PayloadTooLarge
 from app.models import OPEN_FLOW_STATUSES, FlowStatus
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import ApiKeyProviderSettings, ProviderSettings
@@ -30,7 +31,7 @@ from app.templating import render
 
 router = APIRouter(include_in_schema=False)
 
-FLOW_ID = re.compile(r"^[A-Za-z0-9_-]{43}$")
+FLOW_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # fullmatch: `$` allows a trailing newline
 MAX_FORM_BYTES = 16 * 1024
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 
@@ -52,6 +53,13 @@ class SignInRequired(Forbidden):
     next_step = "Open the link from your MCP client again."
 
 
+class UnexpectedFields(BrokerError):
+    code = "unexpected_fields"
+    title = "This form cannot be used that way"
+    message = "The form was sent with fields it does not accept. Nothing was stored."
+    next_step = "Reload the page and enter only the key."
+
+
 def _login_redirect(path: str) -> Response:
     return RedirectResponse(f"/login?next={quote(path, safe='/')}", status_code=303)
 
@@ -59,7 +67,7 @@ def _login_redirect(path: str) -> Response:
 async def _flow_for(
     runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
 ) -> FlowView:
-    if not FLOW_ID.match(flow_id):
+    if not FLOW_ID.fullmatch(flow_id):
         raise NotFound()
     flow = await flows.get(session, flow_id=flow_id)
     if flow is None:
@@ -78,7 +86,10 @@ async def _posted_form(request: Request, runtime: Runtime, user: BrowserUser) ->
     declared = request.headers.get("content-length", "0")
     if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
         raise PayloadTooLarge()
-    form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
+    try:  # a chunked body has no Content-Length: Starlette's own limits stop it (as a 400)
+        form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
+    except HTTPException:
+        raise PayloadTooLarge() from None
     values = {key: str(value) for key, value in form.items()}
     if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
         raise CsrfFailed()
@@ -91,7 +102,7 @@ async def connect_page(
 ) -> Response:
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
-        if not FLOW_ID.match(flow_id):
+        if not FLOW_ID.fullmatch(flow_id):
             raise NotFound()
         return _login_redirect(f"/connect/{flow_id}")
     flow = await _flow_for(runtime, session, flow_id, user)
@@ -148,7 +159,7 @@ async def submit_api_key(
     flow = await _flow_for(runtime, session, flow_id, user)
     provider = runtime.settings.providers.get(flow.provider)
     if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
-        raise Forbidden("This form does not accept those fields.")
+        raise UnexpectedFields()  # e.g. a base_url: provider URLs are configuration (T16)
     if not flow.is_open:
         return RedirectResponse(f"/connect/{flow.id}", status_code=303)
     try:

@@ -186,6 +186,17 @@ async def logging_tool(call: ToolCall) -> ToolResult:
     return ToolResult(text="Logging tool ran; no log level was requested, so nothing was logged.")
 
 
+async def custom_header(call: ToolCall) -> ToolResult:
+    """Echo `region`, an argument mirrored in the `Mcp-Param-Region` header (SEP-2243)."""
+    return ToolResult(text=f"region={call.arguments.get('region')}")
+
+
+CUSTOM_HEADER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"region": {"type": "string", "x-mcp-header": "Region"}},
+    "required": ["region"],
+}
+
 FIXTURES: tuple[tuple[str, ToolHandler], ...] = (
     ("test_input_required_result_elicitation", elicitation),
     ("test_input_required_result_sampling", sampling),
@@ -207,4 +218,9 @@ def conformance_registry() -> ToolRegistry:
     for name, handler in FIXTURES:
         summary = (handler.__doc__ or name).strip().splitlines()[0]
         registry.tool(name, description=f"Conformance fixture: {summary}")(handler)
+    registry.tool(
+        "test_custom_header",
+        description="Conformance fixture: " + (custom_header.__doc__ or "").splitlines()[0],
+        input_schema=CUSTOM_HEADER_SCHEMA,
+    )(custom_header)
     return registry

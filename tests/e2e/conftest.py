@@ -7,6 +7,7 @@ check it against the 2026-07-28 schema.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -69,10 +70,14 @@ class WireLog:
     """Every HTTP exchange between the official client and the broker's /mcp endpoint."""
 
     exchanges: list[WireExchange] = field(default_factory=list)
+    retry_sent: asyncio.Event = field(default_factory=asyncio.Event)
     _sent_at: dict[int, float] = field(default_factory=dict)
 
     async def on_request(self, request: httpx2.Request) -> None:
         self._sent_at[id(request)] = time.monotonic()
+        params = json.loads(request.content).get("params", {}) if request.content else {}
+        if "inputResponses" in params:
+            self.retry_sent.set()
 
     async def on_response(self, response: httpx2.Response) -> None:
         await response.aread()  # httpx2 keeps the body, the SDK reads it again
@@ -104,14 +109,14 @@ OpenClient = Callable[[str, ElicitationFnT], AbstractAsyncContextManager[Client]
 
 
 @pytest.fixture(scope="session")
-async def playwright() -> AsyncIterator[Playwright]:
+async def playwright_driver() -> AsyncIterator[Playwright]:
     async with async_playwright() as driver:
         yield driver
 
 
 @pytest.fixture(scope="session")
-async def chromium(playwright: Playwright) -> AsyncIterator[Browser]:
-    browser = await playwright.chromium.launch(
+async def chromium(playwright_driver: Playwright) -> AsyncIterator[Browser]:
+    browser = await playwright_driver.chromium.launch(
         executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=ACTION_TIMEOUT_MS
     )
     yield browser

@@ -1,0 +1,53 @@
+-- wrk script for bench/run.py: one MCP tools/call POST per request, rotating over a pool.
+--
+-- usage: wrk -t1 -c32 -d10s --latency -s bench/mcp.lua http://127.0.0.1:PORT/mcp -- POOL EXPECT
+--   POOL   a file of "<bearer token>\t<JSON body>" lines (written by bench/pool.py)
+--   EXPECT text every 2xx response body must contain ("-" checks nothing)
+-- done() prints "BENCH issued=<n> unexpected=<n> pool=<n>" for run.py to parse.
+
+local threads = {}
+
+function setup(thread)
+  table.insert(threads, thread)
+end
+
+local function format_request(token, body)
+  local headers = {
+    ["Content-Type"] = "application/json",
+    ["MCP-Protocol-Version"] = "2026-07-28",
+    ["Mcp-Method"] = "tools/call",
+    ["Mcp-Name"] = "connect_account",
+    ["Authorization"] = "Bearer " .. token,
+  }
+  return wrk.format("POST", nil, headers, body)
+end
+
+function init(args)
+  prepared = {}
+  for line in io.lines(args[1]) do
+    local token, body = line:match("^([^\t]+)\t(.+)$")
+    prepared[#prepared + 1] = format_request(token, body)
+  end
+  expected = args[2] ~= "-" and args[2] or nil
+  pool = #prepared
+  issued = 0
+  unexpected = 0
+end
+
+function request()
+  issued = issued + 1
+  return prepared[(issued - 1) % pool + 1]
+end
+
+function response(status, headers, body)
+  if expected and status < 300 and not body:find(expected, 1, true) then
+    unexpected = unexpected + 1
+  end
+end
+
+function done(summary, latency, requests)
+  for _, thread in ipairs(threads) do
+    io.write(string.format("BENCH issued=%d unexpected=%d pool=%d\n",
+      thread:get("issued"), thread:get("unexpected"), thread:get("pool")))
+  end
+end

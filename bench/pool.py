@@ -1,0 +1,208 @@
+"""What wrk sends, and the database side of the scenarios: tokens, bodies, pool files, checks.
+
+A pool file has one request per line, "<bearer token>\\t<JSON body>"; bench/mcp.lua rotates over
+it. Tokens are signed with the IdP's own key, so the broker verifies them against its real JWKS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from joserfc import jws
+from joserfc.jwk import RSAKey
+from sqlalchemy import text
+
+from app import credentials
+from app.auth.principal import Principal
+from app.connect import service as flows
+from app.crypto import Keyring
+from app.db import create_engine, create_sessionmaker
+from app.models import FlowStatus
+
+PROTOCOL_VERSION = "2026-07-28"
+TOOL = "connect_account"
+INPUT_KEY = "connect_demo"
+TOKEN_LIFETIME = 3600
+CLIENT_CONCURRENCY = 32
+META = {
+    "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+    "io.modelcontextprotocol/clientCapabilities": {"elicitation": {"url": {}}},
+}
+
+Entry = tuple[str, dict[str, Any]]
+
+
+class PoolError(RuntimeError):
+    """The broker did not answer a preparation request as the scenario needs."""
+
+
+class TokenMinter:
+    """Access tokens shaped like tests/support/idp.py `mint_token` makes them.
+
+    `mint_token` imports the private JWK again for every token (~50 ms of RSA key checks); importing
+    it once brings a token down to ~1 ms, which matters for pools of thousands.
+    """
+
+    def __init__(self, jwk: dict[str, Any], *, issuer: str, audience: str) -> None:
+        self.issuer = issuer
+        self._audience = audience
+        self._key = RSAKey.import_key(jwk)
+        self._header = {"alg": "RS256", "typ": "at+jwt", "kid": jwk["kid"]}
+
+    def mint(self, subject: str) -> str:
+        now = int(time.time())
+        claims = {
+            "iss": self.issuer,
+            "sub": subject,
+            "aud": self._audience,
+            "exp": now + TOKEN_LIFETIME,
+            "iat": now,
+            "nbf": now,
+            "jti": secrets.token_urlsafe(16),
+            "client_id": "bench-client",
+            "scope": "mcp:tools",
+        }
+        payload = json.dumps(claims, separators=(",", ":")).encode()
+        return jws.serialize_compact(self._header, payload, self._key)
+
+    def mint_many(self, prefix: str, start: int, count: int) -> list[tuple[str, str]]:
+        """(subject, token) for subjects `<prefix>-<start>` … `<prefix>-<start + count - 1>`."""
+        return [(f"{prefix}-{i}", self.mint(f"{prefix}-{i}")) for i in range(start, start + count)]
+
+
+def call_body(
+    request_state: str | None = None, *, method: str = "tools/call", request_id: int = 1
+) -> dict[str, Any]:
+    """The canonical connect_account request; with `request_state`, its accepted retry."""
+    params: dict[str, Any] = {"name": TOOL, "arguments": {"provider": "demo"}, "_meta": META}
+    if method != "tools/call":
+        params = {"_meta": META}
+    if request_state is not None:
+        params["inputResponses"] = {INPUT_KEY: {"action": "accept"}}
+        params["requestState"] = request_state
+    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+
+
+def headers(token: str, method: str = "tools/call") -> dict[str, str]:
+    """The same headers bench/mcp.lua sends."""
+    values = {
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": PROTOCOL_VERSION,
+        "Mcp-Method": method,
+        "Authorization": f"Bearer {token}",
+    }
+    if method == "tools/call":
+        values["Mcp-Name"] = TOOL
+    return values
+
+
+def write_pool(path: Path, entries: Iterable[Entry]) -> Path:
+    lines = (f"{token}\t{json.dumps(body, separators=(',', ':'))}\n" for token, body in entries)
+    path.write_text("".join(lines))
+    return path
+
+
+async def prime(mcp_url: str, tokens: list[str]) -> None:
+    """One `tools/list` per token, so the broker's verified-token cache holds them all."""
+    limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+
+        async def one(token: str) -> None:
+            async with limit:
+                response = await http.post(
+                    mcp_url, json=call_body(method="tools/list"), headers=headers(token, "tools/list")
+                )
+            if response.status_code != 200:
+                raise PoolError(f"tools/list answered {response.status_code}: {response.text}")
+
+        await asyncio.gather(*(one(token) for token in tokens))
+
+
+async def post(http: httpx2.AsyncClient, mcp_url: str, entry: Entry) -> dict[str, Any]:
+    token, body = entry
+    response = await http.post(mcp_url, json=body, headers=headers(token))
+    if response.status_code != 200:
+        raise PoolError(f"tools/call answered {response.status_code}: {response.text}")
+    result: dict[str, Any] = response.json()["result"]
+    return result
+
+
+@dataclass(frozen=True)
+class RetryPreparation:
+    """Where the retry scenario's flows are and how to complete them."""
+
+    mcp_url: str
+    database_url: str
+    issuer: str
+    sealing_keys: tuple[str, ...]
+
+
+async def prepare_retries(prep: RetryPreparation, users: list[tuple[str, str]]) -> list[Entry]:
+    """A round-1 answer per user, its flow completed with a stored credential: retry entries."""
+    started: list[tuple[str, str, str]] = []  # (subject, request state, flow id)
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        for subject, token in users:
+            result = await post(http, prep.mcp_url, (token, call_body()))
+            if result.get("resultType") != "input_required":
+                raise PoolError(f"round 1 for {subject} did not ask for input: {result}")
+            url = result["inputRequests"][INPUT_KEY]["params"]["url"]
+            started.append((subject, result["requestState"], url.rsplit("/", 1)[1]))
+    await _complete_flows(prep, started)
+    tokens = dict(users)
+    entries = [(tokens[subject], call_body(state)) for subject, state, _ in started]
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        sample = await post(http, prep.mcp_url, entries[0])
+    if sample.get("resultType") != "complete" or sample.get("isError"):
+        raise PoolError(f"a retry of a completed flow did not give the final result: {sample}")
+    return entries
+
+
+async def _complete_flows(prep: RetryPreparation, started: list[tuple[str, str, str]]) -> None:
+    """What the API-key page does: store the sealed credential, move the flow to completed."""
+    keys = Keyring.parse(prep.sealing_keys)
+    engine = create_engine(prep.database_url, pool_size=2)
+    try:
+        async with create_sessionmaker(engine).begin() as session:
+            for subject, _, flow_id in started:
+                principal = Principal(issuer=prep.issuer, subject=subject)
+                await credentials.store(
+                    session,
+                    keys=keys,
+                    principal=principal,
+                    provider="demo",
+                    audience="mcp",
+                    secret={"api_key": f"sk_bench_{secrets.token_hex(8)}"},
+                )
+                moved = await flows.transition(
+                    session,
+                    flow_id=flow_id,
+                    principal=principal,
+                    from_statuses=(FlowStatus.pending,),
+                    to_status=FlowStatus.completed,
+                )
+                if not moved:
+                    raise PoolError(f"flow of {subject} could not be completed")
+    finally:
+        await engine.dispose()
+
+
+async def flow_counts(database_url: str) -> tuple[int, int]:
+    """(number of flows, most flows any one user has)."""
+    engine = create_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            total = await connection.scalar(text("SELECT count(*) FROM flows"))
+            most = await connection.scalar(
+                text("SELECT max(n) FROM (SELECT count(*) AS n FROM flows GROUP BY subject) AS c")
+            )
+    finally:
+        await engine.dispose()
+    return int(total or 0), int(most or 0)

@@ -1,0 +1,120 @@
+"""Helpers shared by the connect-page and API-key-form tests.
+
+`open_flow` starts a connect flow the way a client does (round 1 of `tools/call connect_account`);
+`dedicated_stack` runs an IdP and a broker of their own for tests that need special
+configuration (pairwise subjects, a short login age, a provider with a validation probe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.models import Connection, Flow
+
+from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.clients import McpHttp, flow_id_from
+from ..support.idp import (
+    IdpConfig,
+    IdpProcess,
+    client_metadata,
+    free_port,
+    mint_token,
+    running_idp,
+)
+from ..support.schema import validate_response
+
+
+def unique(name: str) -> str:
+    """A user name no other test (or earlier run against the same database) has used."""
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+async def open_flow(mcp: McpHttp, token: str, provider: str = "demo") -> str:
+    """Round 1 of `connect_account`: the id of the flow the URL elicitation points at."""
+    response = await mcp.call_tool(token, "connect_account", {"provider": provider})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    return flow_id_from(body["result"])[1]
+
+
+async def flow_snapshot(db: AsyncEngine, flow_id: str) -> dict[str, Any]:
+    """Every column of the flow row (updated_at included, so any write shows)."""
+    async with db.connect() as connection:
+        row = (await connection.execute(select(Flow).where(Flow.id == flow_id))).mappings().one()
+    return dict(row)
+
+
+async def connections_of(db: AsyncEngine, *subjects: str) -> list[dict[str, Any]]:
+    """The connection rows stored for these subjects."""
+    async with db.connect() as connection:
+        rows = (
+            (
+                await connection.execute(
+                    select(Connection.__table__).where(Connection.subject.in_(subjects))
+                )
+            )
+            .mappings()
+            .all()
+        )
+    return [dict(row) for row in rows]
+
+
+@dataclass
+class Stack:
+    idp: IdpProcess
+    broker: BrokerProcess
+
+    def token(self, user: str, **extra: Any) -> str:
+        """An access token for this broker, signed with this IdP's key."""
+        return mint_token(
+            self.idp.signing_jwk,
+            issuer=self.idp.issuer,
+            audience=self.broker.mcp_url,
+            subject=user,
+            extra=extra or None,
+        )
+
+
+@contextlib.contextmanager
+def dedicated_stack(
+    workdir: Path,
+    name: str,
+    *,
+    pairwise_access_sub: bool = False,
+    extra_claims: dict[str, dict[str, Any]] | None = None,
+    **broker_options: Any,
+) -> Iterator[Stack]:
+    """A fresh IdP that knows only this broker (login client, /mcp resource), and the broker."""
+    port = free_port()
+    idp_config = IdpConfig(
+        resources=[f"http://127.0.0.1:{port}/mcp"],
+        clients=[
+            client_metadata(
+                "broker-login",
+                [f"http://127.0.0.1:{port}/login/callback"],
+                client_secret="broker-login-secret",
+            ),
+            client_metadata("mcp-client", ["http://127.0.0.1:9/callback"]),
+        ],
+        pairwise_access_sub=pairwise_access_sub,
+        extra_claims=extra_claims or {},
+    )
+    database_name = unique(name)
+    with running_idp(idp_config, workdir) as idp:
+        config = BrokerConfig(issuer=idp.issuer, port=port, **broker_options)
+        try:
+            with running_broker(config, workdir, name=database_name) as broker:
+                yield Stack(idp, broker)
+        finally:
+            # running_broker drops PostgreSQL databases only; SQLite files would pile up
+            for suffix in (".db", ".db-wal", ".db-shm", ".db-journal"):
+                (workdir / f"{database_name}{suffix}").unlink(missing_ok=True)

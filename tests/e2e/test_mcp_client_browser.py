@@ -1,0 +1,380 @@
+"""End to end with real parts: the official `mcp` client's elicitation callback drives Chromium.
+
+The client calls `connect_account`; the broker answers a URL-mode elicitation; the callback opens
+the URL in Chromium, which signs in at the node IdP and types an API key on the broker's page; the
+client's own MRTR retries then return the final result (SECURITY.md H6, H7, E13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mcp.client.session import ClientRequestContext
+from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
+from playwright.async_api import BrowserContext, Dialog, Page, Response
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..conftest import count_rows, flow_row
+from ..support.broker import BrokerProcess
+from ..support.clients import McpHttp, flow_id_from
+from ..support.idp import IdpProcess
+from ..support.schema import validate, validate_response
+from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
+
+Action = Literal["accept", "decline", "cancel"]
+
+API_KEY = "sk_CANARYKEY_e2e_1"
+MARKUP_KEY = '"><img src=x onerror=alert(1)>'
+TEST_DEADLINE = 55.0  # every test stays under a minute
+MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
+WAIT = ACTION_TIMEOUT_MS / 1000
+
+
+@dataclass
+class UrlElicitations:
+    """The client's elicitation callback: each URL-mode request goes to `on_url`, which answers."""
+
+    on_url: Callable[[str], Awaitable[Action]]
+    modes: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+
+    async def __call__(
+        self, context: ClientRequestContext, params: ElicitRequestParams
+    ) -> ElicitResult:
+        self.modes.append(params.mode)
+        if not isinstance(params, ElicitRequestURLParams):
+            return ElicitResult(action="decline")
+        self.urls.append(params.url)
+        return ElicitResult(action=await self.on_url(params.url))
+
+
+def flow_url_pattern(broker: BrokerProcess) -> re.Pattern[str]:
+    return re.compile(re.escape(f"{broker.url}/connect/") + r"[A-Za-z0-9_-]{43}")
+
+
+def result_wire(result: CallToolResult) -> dict[str, Any]:
+    wire: dict[str, Any] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+    validate(wire, "CallToolResult")
+    return wire
+
+
+async def sign_in(page: Page, idp: IdpProcess, user: str) -> Response:
+    """From the IdP's login page, sign in as `user`; the response the browser lands on after it.
+
+    oidc-provider's devInteractions: a login form (any password), then a consent form when the
+    IdP wants one (ours grants on its own, so normally none appears).
+    """
+    for _ in range(MAX_IDP_PAGES):
+        login = page.locator('input[name="login"]')
+        if await login.count():
+            await login.fill(user, timeout=ACTION_TIMEOUT_MS)
+            await page.fill('input[name="password"]', "any-password", timeout=ACTION_TIMEOUT_MS)
+        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
+            await page.click('button[type="submit"]', timeout=ACTION_TIMEOUT_MS)
+        landed = await navigation.value
+        assert landed is not None
+        if not landed.url.startswith(idp.issuer):
+            return landed
+    raise AssertionError(f"still at the IdP after {MAX_IDP_PAGES} pages: {page.url}")
+
+
+@asynccontextmanager
+async def open_page(context: BrowserContext) -> AsyncIterator[Page]:
+    page = await context.new_page()
+    try:
+        yield page
+    finally:
+        await page.close()
+
+
+async def submit_key(page: Page, key: str) -> Response:
+    await page.fill('input[name="api_key"]', key, timeout=ACTION_TIMEOUT_MS)
+    async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
+        await page.click("[data-action=submit-api-key]", timeout=ACTION_TIMEOUT_MS)
+    response = await navigation.value
+    assert response is not None
+    return response
+
+
+async def heading(page: Page) -> str:
+    return await page.locator("h1").inner_text(timeout=ACTION_TIMEOUT_MS)
+
+
+async def cookies_set_by(responses: list[Response], origin: str) -> list[str]:
+    headers: list[str] = []
+    for response in responses:
+        if response.url.startswith(origin + "/"):
+            headers += await response.header_values("set-cookie")
+    return headers
+
+
+async def start_flow(mcp: McpHttp, token: str) -> tuple[str, str]:
+    """Round 1 over raw HTTP: (flow URL, flow id)."""
+    response = await mcp.call_tool(token, "connect_account", {"provider": "demo"})
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    key, flow_id = flow_id_from(body["result"])
+    return body["result"]["inputRequests"][key]["params"]["url"], flow_id
+
+
+async def sign_in_on_the_flow_page(page: Page, idp: IdpProcess, url: str, user: str) -> Response:
+    await page.goto(url, timeout=ACTION_TIMEOUT_MS)
+    return await sign_in(page, idp, user)
+
+
+async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
+    official_client: OpenClient,
+    access_token: Callable[[str], Awaitable[str]],
+    context: BrowserContext,
+    idp: IdpProcess,
+    broker: BrokerProcess,
+    wire: WireLog,
+    db: AsyncEngine,
+) -> None:
+    """H7. The official client, Chromium and the IdP complete a connect flow; the retry finishes."""
+    user = "alice-e2e-h7"
+    token = await access_token(user)
+    seen: dict[str, Any] = {}
+    responses: list[Response] = []
+    context.on("response", responses.append)
+
+    async def connect_in_browser(url: str) -> Action:
+        async with open_page(context) as page:
+            await page.goto(url, timeout=ACTION_TIMEOUT_MS)
+            seen["login_page"] = page.url
+            landed = await sign_in(page, idp, user)
+            seen["landed"] = (landed.url, landed.status)
+            seen["submitted"] = (await submit_key(page, API_KEY)).status
+            seen["heading"] = await heading(page)
+            seen["html"] = await page.content()
+        return "accept"
+
+    elicitations = UrlElicitations(connect_in_browser)
+    async with asyncio.timeout(TEST_DEADLINE), official_client(token, elicitations) as client:
+        result = await client.call_tool("connect_account", {"provider": "demo"})
+
+    assert elicitations.modes == ["url"]
+    (url,) = elicitations.urls
+    assert flow_url_pattern(broker).fullmatch(url)
+    assert seen["login_page"].startswith(f"{idp.issuer}/interaction/")
+    assert seen["landed"] == (url, 200)
+    assert seen["submitted"] == 200
+    assert seen["heading"] == "Demo is connected"
+    assert API_KEY not in seen["html"]
+    assert result_wire(result) == {
+        "resultType": "complete",
+        "content": [{"type": "text", "text": "Demo is connected."}],
+        "structuredContent": {"provider": "demo", "status": "connected", "account": None},
+        "isError": False,
+    }
+    wire.validate()
+    assert [call.response["result"]["resultType"] for call in wire.calls()] == [  # type: ignore[index]
+        "input_required",
+        "complete",
+    ]
+    flow_id = url.rsplit("/", 1)[1]
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+    assert await count_rows(db, "connections", subject=user, provider="demo") == 1
+
+    set_cookies = await cookies_set_by(responses, broker.url)
+    assert set_cookies, "the broker set no cookie"
+    names = {header.split("=", 1)[0] for header in set_cookies}
+    assert all(name.startswith("__Host-") for name in names), names
+    assert all("domain=" not in header.lower() for header in set_cookies)
+    jar = [cookie for cookie in await context.cookies(broker.url) if cookie["name"] in names]
+    assert jar, "the session cookie did not survive the redirect back from the IdP"
+    for cookie in jar:
+        assert cookie["name"].startswith("__Host-")
+        assert cookie["secure"] is True
+        assert cookie["httpOnly"] is True
+        assert cookie["sameSite"] == "Lax"
+        assert cookie["path"] == "/"
+        assert cookie["domain"] == "127.0.0.1"
+
+
+async def test_retry_before_completion_gets_the_result_within_the_default_rounds(
+    official_client: OpenClient,
+    access_token: Callable[[str], Awaitable[str]],
+    context: BrowserContext,
+    idp: IdpProcess,
+    broker: BrokerProcess,
+    wire: WireLog,
+) -> None:
+    """MRTR: the client accepts at once and retries; the broker's bounded waits bridge the gap."""
+    user = "alice-e2e-early"
+    token = await access_token(user)
+    browser_work: list[asyncio.Task[float]] = []
+
+    async def complete_later(url: str) -> float:
+        async with open_page(context) as page:
+            await sign_in_on_the_flow_page(page, idp, url, user)
+            await page.fill('input[name="api_key"]', API_KEY, timeout=ACTION_TIMEOUT_MS)
+            # the client's retry is on its way before the key is saved: that is the case under test
+            await asyncio.wait_for(wire.retry_sent.wait(), WAIT)
+            submitted_at = time.monotonic()
+            await submit_key(page, API_KEY)
+        return submitted_at
+
+    async def accept_now(url: str) -> Action:
+        if not browser_work:
+            browser_work.append(asyncio.create_task(complete_later(url)))
+        return "accept"
+
+    elicitations = UrlElicitations(accept_now)
+    async with asyncio.timeout(TEST_DEADLINE), official_client(token, elicitations) as client:
+        result = await client.call_tool("connect_account", {"provider": "demo"})
+        submitted_at = await asyncio.wait_for(browser_work[0], WAIT)
+
+    assert result.structured_content == {"provider": "demo", "status": "connected", "account": None}
+    assert result.is_error is False
+    (task,) = browser_work
+    assert task.done() and task.exception() is None
+    wire.validate()
+    calls = wire.calls()
+    assert 2 <= len(calls) <= 11  # round 1, then at most the client's default 10 retries
+    assert calls[1].sent_at < submitted_at  # the first retry was waiting when the key was saved
+    assert calls[-1].response is not None
+    assert calls[-1].response["result"]["resultType"] == "complete"
+    assert len(set(elicitations.urls)) == 1  # a re-issued elicitation keeps the same flow URL
+    assert flow_url_pattern(broker).fullmatch(elicitations.urls[0])
+
+
+async def test_wrong_user_is_refused_and_the_flow_is_untouched(
+    official_client: OpenClient,
+    access_token: Callable[[str], Awaitable[str]],
+    context: BrowserContext,
+    idp: IdpProcess,
+    broker: BrokerProcess,
+    wire: WireLog,
+    db: AsyncEngine,
+) -> None:
+    """D2 in a real browser: bob cannot use alice's link; nothing moves until alice's client cancels."""
+    alice, bob = "alice-e2e-d2", "bob-e2e-d2"
+    token = await access_token(alice)
+    seen: dict[str, Any] = {}
+
+    async def open_as_bob(url: str) -> Action:
+        flow_id = url.rsplit("/", 1)[1]
+        async with open_page(context) as page:
+            landed = await sign_in_on_the_flow_page(page, idp, url, bob)
+            seen["landed"] = (landed.url, landed.status)
+            seen["heading"] = await heading(page)
+            seen["key_inputs"] = await page.locator('input[name="api_key"]').count()
+        seen["flow"] = await flow_row(db, flow_id)
+        return "cancel"
+
+    elicitations = UrlElicitations(open_as_bob)
+    async with asyncio.timeout(TEST_DEADLINE), official_client(token, elicitations) as client:
+        result = await client.call_tool("connect_account", {"provider": "demo"})
+
+    (url,) = elicitations.urls
+    flow_id = url.rsplit("/", 1)[1]
+    assert seen["landed"] == (url, 403)
+    assert seen["heading"] == "This link belongs to a different account"
+    assert seen["key_inputs"] == 0
+    assert seen["flow"]["status"] == "pending"
+    assert seen["flow"]["subject"] == alice
+    assert result.is_error is True
+    assert result.structured_content == {"status": "cancelled"}
+    result_wire(result)
+    wire.validate()
+    assert (await flow_row(db, flow_id) or {})["status"] == "cancelled"
+    assert await count_rows(db, "connections", subject=alice) == 0
+    assert await count_rows(db, "connections", subject=bob) == 0
+    assert f"connect.identity_mismatch flow_id={flow_id}" in broker.log()
+
+
+@asynccontextmanager
+async def framing_site(target: str) -> AsyncIterator[str]:
+    """A page on another origin (its own port) that puts `target` in an iframe."""
+    page = f'<!doctype html><title>elsewhere</title><iframe src="{target}"></iframe>'.encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: {len(page)}\r\n"
+        writer.write(head.encode() + b"Connection: close\r\n\r\n" + page)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_h6_framing_is_blocked(
+    mcp: McpHttp, token_for: Any, context: BrowserContext, idp: IdpProcess, broker: BrokerProcess
+) -> None:
+    """H6. A foreign page cannot frame the connect page, even for the signed-in owner."""
+    user = "alice-e2e-h6"
+    url, _ = await start_flow(mcp, token_for(user))
+    async with open_page(context) as page:
+        landed = await sign_in_on_the_flow_page(page, idp, url, user)
+        assert landed.status == 200
+        assert await page.locator('input[name="api_key"]').count() == 1  # top level: usable
+    framed: list[Response] = []
+    context.on("response", lambda response: framed.append(response) if response.url == url else None)
+
+    async with framing_site(url) as site, open_page(context) as page:
+        await page.goto(site, timeout=ACTION_TIMEOUT_MS)
+        frames = page.frames
+        inputs = [await frame.locator('input[name="api_key"]').count() for frame in frames]
+        child_urls = [frame.url for frame in frames if frame is not page.main_frame]
+
+    assert len(frames) == 2
+    assert inputs == [0, 0]
+    assert len(child_urls) == 1 and child_urls[0] != url
+    assert child_urls[0].startswith(("chrome-error:", "about:blank"))
+    (response,) = framed  # the broker answered; the browser refused to show it
+    assert response.status == 200
+    headers = await response.all_headers()
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-frame-options"] == "DENY"
+
+
+async def test_e13_like_no_script_runs(
+    mcp: McpHttp,
+    token_for: Any,
+    context: BrowserContext,
+    idp: IdpProcess,
+    db: AsyncEngine,
+) -> None:
+    """E13-like. Markup typed as an API key is refused with an error page that runs no script."""
+    user = "alice-e2e-e13"
+    url, _ = await start_flow(mcp, token_for(user))
+    dialogs: list[str] = []
+
+    async def record(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        await dialog.dismiss()
+
+    async with open_page(context) as control:  # the recorder does see a script's dialog
+        control.on("dialog", record)
+        async with control.expect_event("dialog", timeout=ACTION_TIMEOUT_MS):
+            await control.set_content(f"<p>{MARKUP_KEY}</p>", timeout=ACTION_TIMEOUT_MS)
+    assert dialogs == ["1"]
+    dialogs.clear()
+
+    async with open_page(context) as page:
+        page.on("dialog", record)
+        await sign_in_on_the_flow_page(page, idp, url, user)
+        refused = await submit_key(page, MARKUP_KEY)
+        error = await page.locator("[role=alert]").inner_text(timeout=ACTION_TIMEOUT_MS)
+        images = await page.locator("img").count()
+        html = await page.content()
+
+    assert refused.status == 400
+    assert error == "That does not look like a Demo API key."
+    assert images == 0
+    assert "onerror" not in html
+    assert dialogs == []
+    assert await count_rows(db, "connections", subject=user) == 0

@@ -1,0 +1,802 @@
+"""The client's retry of a connect round: the sealed requestState (SECURITY.md C1-C14), the bounded
+wait for the browser (DESIGN.md §3.1 step 5) and the flow sweeper (J7).
+
+Every bad state is a JSON-RPC -32602 at HTTP 200 and changes nothing; a good one is answered by
+the flow row: completed -> the tool's result, open -> the same URL again after a bounded wait,
+ended -> an `isError` result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import secrets
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import time_machine
+from sqlalchemy import text, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from app.auth.principal import McpCaller, Principal
+from app.connect.service import purge
+from app.crypto import Keyring, generate_key
+from app.mcp.request_state import RequestStateCodec, arguments_digest
+from app.models import Flow, FlowStatus
+
+from ..conftest import DEMO_PROVIDER, count_rows, flow_row
+from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.clients import Browser, McpHttp, flow_id_from, request_body
+from ..support.idp import (
+    IdpConfig,
+    IdpProcess,
+    client_metadata,
+    free_port,
+    mint_token,
+    running_idp,
+)
+from ..support.schema import validate_response
+
+API_KEY = "sk_CANARYKEY_retry_tests_1"
+ARGUMENTS = {"provider": "demo"}
+FLOW_TTL_SECONDS = 600  # the broker default; requestState lives as long as its flow
+RETRY_WAIT_SECONDS = 3  # BrokerConfig default of the session broker
+SLOW_RETRY_WAIT_SECONDS = 15
+
+
+def fresh_user(label: str) -> str:
+    """A subject no earlier run used (the SQLite test database outlives a run)."""
+    return f"{label}-{secrets.token_hex(4)}"
+
+
+async def round_one(
+    mcp: McpHttp, token: str, arguments: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], str, str]:
+    """Call connect_account; (InputRequiredResult, input key, flow id)."""
+    response = await mcp.call_tool(token, "connect_account", arguments or ARGUMENTS)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    result: dict[str, Any] = body["result"]
+    key, flow_id = flow_id_from(result)
+    return result, key, flow_id
+
+
+async def retry(
+    mcp: McpHttp,
+    token: str,
+    state: Any,
+    *,
+    action: str | None = "accept",
+    responses: dict[str, Any] | None = None,
+    name: str = "connect_account",
+    arguments: dict[str, Any] | None = None,
+) -> httpx2.Response:
+    """The client's retry of the same tools/call with the echoed state and an answer."""
+    if responses is None:
+        responses = {"connect_demo": {"action": action}} if action else {}
+    return await mcp.call_tool(
+        token,
+        name,
+        ARGUMENTS if arguments is None else arguments,
+        input_responses=responses,
+        request_state=state,
+    )
+
+
+async def finish_in_browser(browser: Browser, user: str, flow_id: str) -> None:
+    """The user logs in at the IdP and submits the API-key form of the flow."""
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    submitted = await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": API_KEY}
+    )
+    assert submitted.status_code == 303, submitted.text
+
+
+def rejection(response: httpx2.Response) -> dict[str, Any]:
+    """The JSON-RPC error of a refused retry (asserting the wire shape on the way)."""
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_response(body)
+    assert "result" not in body, body
+    error: dict[str, Any] = body["error"]
+    assert error["code"] == -32602
+    return error
+
+
+def tool_result(response: httpx2.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_response(body, "CallToolResult")
+    result: dict[str, Any] = body["result"]
+    assert result["resultType"] == "complete"
+    return result
+
+
+async def snapshot(db: AsyncEngine, user: str) -> tuple[list[dict[str, Any]], ...]:
+    """Every flow and connection row of `user`, for "nothing changed" assertions."""
+    tables = []
+    async with db.connect() as connection:
+        for table in ("flows", "connections"):
+            rows = await connection.execute(
+                text(f"SELECT * FROM {table} WHERE subject = :s ORDER BY id"), {"s": user}
+            )
+            tables.append([dict(row) for row in rows.mappings()])
+    return tuple(tables)
+
+
+class LogWindow:
+    """The broker log lines written after this point."""
+
+    def __init__(self, broker: BrokerProcess) -> None:
+        self._broker = broker
+        self._start = len(broker.log())
+
+    def text(self) -> str:
+        return self._broker.log()[self._start :]
+
+
+def codec_with(signing_keys: list[str]) -> RequestStateCodec:
+    return RequestStateCodec(Keyring.parse(tuple(signing_keys)), max_age=FLOW_TTL_SECONDS)
+
+
+def caller_of(issuer: str, user: str, client_id: str = "mcp-client") -> McpCaller:
+    return McpCaller(Principal(issuer, user), client_id=client_id, scopes=frozenset())
+
+
+def forge_state(codec: RequestStateCodec, caller: McpCaller, flow_id: str) -> str:
+    """A state with the exact structure the broker issues for a connect round."""
+    return codec.issue(
+        caller,
+        method="tools/call",
+        name="connect_account",
+        arguments_digest=arguments_digest(ARGUMENTS),
+        flow_id=flow_id,
+        input_key="connect_demo",
+    )
+
+
+def decode_state(state: str) -> tuple[dict[str, Any], int]:
+    """(payload, issue time) of an itsdangerous URL-safe timed token, without the key."""
+    payload, stamp, _signature = state.rsplit(".", 2)
+    compressed = payload.startswith(".")
+    raw = base64.urlsafe_b64decode(payload.lstrip(".") + "=" * (-len(payload.lstrip(".")) % 4))
+    document = zlib.decompress(raw) if compressed else raw
+    issued = int.from_bytes(base64.urlsafe_b64decode(stamp + "=" * (-len(stamp) % 4)), "big")
+    decoded: dict[str, Any] = json.loads(document)
+    return decoded, issued
+
+
+def flip_signature_byte(state: str) -> str:
+    """Change the first signature character (the last one may only carry padding bits)."""
+    head, signature = state.rsplit(".", 1)
+    replacement = "B" if signature[0] != "B" else "C"
+    return f"{head}.{replacement}{signature[1:]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# C1-C6, C12-C14: a state that does not verify is refused, changing nothing
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tamper", ["append", "flip"])
+async def test_c1_tampered_state_is_refused_without_running_the_tool(
+    tamper: str,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    broker: BrokerProcess,
+    db: AsyncEngine,
+) -> None:
+    """C1. MRTR server rule 4 and conformance `input-required-result-tampered-state`: an edited
+    state is a JSON-RPC error, never a re-prompt; even on a completed flow no result leaks out."""
+    user = fresh_user("c1")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+    state = result["requestState"]
+    forged = state + "-TAMPERED" if tamper == "append" else flip_signature_byte(state)
+    before = await snapshot(db, user)
+    log = LogWindow(broker)
+
+    response = await retry(mcp, token, forged)
+
+    error = rejection(response)
+    assert error["data"] == {"reason": "invalid"}
+    assert await snapshot(db, user) == before
+    assert (await flow_row(db, flow_id) or {})["status"] == "completed"  # not consumed: no run
+    logged = log.text()
+    assert "request_state.invalid reason=invalid" in logged
+    assert state.rsplit(".", 1)[1] not in logged
+    assert forged not in logged
+    assert API_KEY not in response.text
+
+
+async def test_c1_untampered_state_still_works_after_a_tampered_retry(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """C1 control: the refusal did not burn the flow; the genuine state gets the result."""
+    user = fresh_user("c1-control")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+    rejection(await retry(mcp, token, result["requestState"] + "-TAMPERED"))
+
+    response = await retry(mcp, token, result["requestState"])
+
+    assert tool_result(response)["structuredContent"]["status"] == "connected"
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+
+
+async def test_c2_state_signed_with_another_key_is_refused(
+    mcp: McpHttp, token_for: Any, idp: IdpProcess, broker: BrokerProcess, db: AsyncEngine
+) -> None:
+    """C2. Only the broker's signing keys make a state: a well-formed payload under a fresh key
+    (even with the broker's key id) is refused as invalid."""
+    user = fresh_user("c2")
+    token = token_for(user)
+    _, _, flow_id = await round_one(mcp, token)
+    key_id = broker.config.signing[0].split(":", 1)[0]
+    forged = forge_state(codec_with([generate_key(key_id)]), caller_of(idp.issuer, user), flow_id)
+    genuine_shape = forge_state(codec_with(broker.config.signing), caller_of(idp.issuer, user), "x")
+    before = await snapshot(db, user)
+
+    response = await retry(mcp, token, forged, action="decline")
+
+    assert rejection(response)["data"] == {"reason": "invalid"}
+    assert decode_state(forged)[0].keys() == decode_state(genuine_shape)[0].keys()
+    assert await snapshot(db, user) == before
+
+
+async def test_c3_state_older_than_its_ttl_is_refused_as_expired(
+    mcp: McpHttp, token_for: Any, idp: IdpProcess, broker: BrokerProcess, db: AsyncEngine
+) -> None:
+    """C3. A state is verified with max_age = the flow TTL; one second past it the answer is
+    -32602 with reason "expired", and a fresh call without state starts over."""
+    user = fresh_user("c3")
+    token = token_for(user)
+    _, _, flow_id = await round_one(mcp, token)
+    codec = codec_with(broker.config.signing)
+    with time_machine.travel(time.time() - FLOW_TTL_SECONDS - 1, tick=False):
+        expired = forge_state(codec, caller_of(idp.issuer, user), flow_id)
+    before = await snapshot(db, user)
+
+    response = await retry(mcp, token, expired)
+    fresh, _, fresh_flow = await round_one(mcp, token)
+
+    assert rejection(response)["data"] == {"reason": "expired"}
+    assert await flow_row(db, flow_id) == before[0][0]
+    assert fresh["resultType"] == "input_required"
+    assert fresh_flow != flow_id
+
+
+async def test_c3_state_just_inside_its_ttl_is_accepted(
+    mcp: McpHttp, token_for: Any, idp: IdpProcess, broker: BrokerProcess
+) -> None:
+    """C3 control: the same forged state issued 30 s before the TTL ends verifies, so the
+    expired case above fails for its age alone."""
+    user = fresh_user("c3-control")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    codec = codec_with(broker.config.signing)
+    with time_machine.travel(time.time() - FLOW_TTL_SECONDS + 30, tick=False):
+        aged = forge_state(codec, caller_of(idp.issuer, user), flow_id)
+
+    response = await retry(mcp, token, aged, action=None)
+
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    assert body["result"]["inputRequests"] == result["inputRequests"]
+
+
+async def test_c4_another_users_state_is_refused_and_reveals_nothing(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C4. MRTR rule 5 / "State Handle Hijacking": B holding A's state gets -32602; the error
+    names neither A nor A's flow, and A's flow is untouched (B even tried to decline it)."""
+    alice, bob = fresh_user("c4-alice"), fresh_user("c4-bob")
+    result, _, flow_id = await round_one(mcp, token_for(alice))
+    before = await flow_row(db, flow_id)
+
+    response = await retry(mcp, token_for(bob), result["requestState"], action="decline")
+
+    error = rejection(response)
+    assert error["data"] == {"reason": "principal_mismatch"}
+    assert alice not in response.text
+    assert flow_id not in response.text
+    assert await flow_row(db, flow_id) == before
+    assert await count_rows(db, "flows", subject=bob) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("list_providers", {}),
+        ("disconnect_account", ARGUMENTS),
+        ("connect_account", {"provider": "demo", "scopes": ["admin"]}),
+    ],
+    ids=["other-tool", "other-tool-same-arguments", "other-arguments"],
+)
+async def test_c5_state_reused_on_another_request_is_refused(
+    name: str, arguments: dict[str, Any], mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C5. The state binds the tool name and a digest of the arguments."""
+    user = fresh_user("c5")
+    token = token_for(user)
+    result, _, _ = await round_one(mcp, token)
+    before = await snapshot(db, user)
+
+    response = await retry(mcp, token, result["requestState"], name=name, arguments=arguments)
+
+    assert rejection(response)["data"] == {"reason": "request_mismatch"}
+    assert await snapshot(db, user) == before
+
+
+async def test_c6_state_presented_through_another_client_is_refused(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C6. Elicitation §Security "bind to the client and user identity": the same user's token
+    issued to another OAuth client cannot continue the round."""
+    user = fresh_user("c6")
+    result, _, _ = await round_one(mcp, token_for(user))
+    before = await snapshot(db, user)
+
+    response = await retry(mcp, token_for(user, client_id="other-client"), result["requestState"])
+
+    assert rejection(response)["data"] == {"reason": "request_mismatch"}
+    assert await snapshot(db, user) == before
+
+
+async def test_c12_huge_state_is_refused_by_length_before_verifying(
+    mcp: McpHttp, token_for: Any, broker: BrokerProcess
+) -> None:
+    """C12. A 100 KB state is cut off by the length cap (no HMAC work, no log of the blob)."""
+    user = fresh_user("c12")
+    token = token_for(user)
+    result, _, _ = await round_one(mcp, token)
+    huge = result["requestState"] + "A" * 100_000
+    log = LogWindow(broker)
+
+    started = time.monotonic()
+    response = await retry(mcp, token, huge)
+    elapsed = time.monotonic() - started
+
+    assert rejection(response)["data"] == {"reason": "invalid"}
+    assert elapsed < 2.0
+    assert "A" * 64 not in log.text()
+
+
+@pytest.mark.parametrize("state", [42, None, ["x"], {"v": 1}, ""], ids=repr)
+async def test_c13_state_of_the_wrong_type_is_refused(
+    state: Any, mcp: McpHttp, token_for: Any
+) -> None:
+    """C13. `requestState` is a string (schema InputResponseRequestParams); anything else, or an
+    empty string, is -32602."""
+    token = token_for(fresh_user("c13"))
+    body = request_body(
+        "tools/call",
+        {
+            "name": "connect_account",
+            "arguments": ARGUMENTS,
+            "inputResponses": {"connect_demo": {"action": "accept"}},
+            "requestState": state,
+        },
+    )
+
+    response = await mcp.post(body, token=token)
+
+    assert rejection(response)["data"] == {"reason": "invalid"}
+
+
+async def test_c14_state_holds_only_a_flow_id_digests_and_a_timestamp(
+    mcp: McpHttp, token_for: Any, idp: IdpProcess
+) -> None:
+    """C14. The state is readable by the client: it carries a keyed digest of the principal, the
+    request binding (client id, method, tool, argument digest), the flow id and its issue time;
+    never the subject, the issuer, an email address or a secret."""
+    user = fresh_user("c14")
+    token = token_for(user, extra={"email": f"{user}@example.com"})
+    result, key, flow_id = await round_one(mcp, token)
+
+    payload, issued = decode_state(result["requestState"])
+
+    assert set(payload) == {"v", "p", "c", "m", "n", "a", "f", "k"}
+    assert payload["v"] == 1
+    assert re.fullmatch(r"[0-9a-f]{32}", payload["p"])
+    assert payload["a"] == arguments_digest(ARGUMENTS)
+    assert (payload["c"], payload["m"], payload["n"]) == (
+        "mcp-client",
+        "tools/call",
+        "connect_account",
+    )
+    assert (payload["f"], payload["k"]) == (flow_id, key)
+    assert abs(issued - time.time()) < 60
+    document = json.dumps(payload)
+    for secret in (user, idp.issuer, "@", "example.com", API_KEY, token):
+        assert secret not in document
+
+
+# ------------------------------------------------------------------------------------------------
+# C7-C11: a good state is answered by the flow row
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_c7_accept_before_the_browser_finished_returns_the_same_url_after_a_bounded_wait(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """C7. DESIGN §3.1 step 5: the retry waits up to retry_wait_seconds, then re-issues the same
+    URL with a fresh state; no second flow. The fresh state then finishes the round."""
+    user = fresh_user("c7")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+
+    started = time.monotonic()
+    response = await retry(mcp, token, result["requestState"])
+    waited = time.monotonic() - started
+
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    again = body["result"]
+    assert again["inputRequests"] == result["inputRequests"]
+    assert again["requestState"] != result["requestState"]
+    assert RETRY_WAIT_SECONDS - 0.5 <= waited < RETRY_WAIT_SECONDS + 5
+    assert await count_rows(db, "flows", subject=user) == 1
+    assert (await flow_row(db, flow_id) or {})["status"] == "pending"
+
+    await finish_in_browser(browser, user, flow_id)
+    final = await retry(mcp, token, again["requestState"])
+    assert tool_result(final)["structuredContent"]["status"] == "connected"
+
+
+async def test_c7_retry_without_an_answer_re_asks_at_once(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C7 variant. MRTR: a missing input response is requested again; nothing to wait for."""
+    user = fresh_user("c7-noanswer")
+    token = token_for(user)
+    result, _, _ = await round_one(mcp, token)
+
+    started = time.monotonic()
+    response = await retry(mcp, token, result["requestState"], action=None)
+    waited = time.monotonic() - started
+
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    assert body["result"]["inputRequests"] == result["inputRequests"]
+    assert waited < RETRY_WAIT_SECONDS - 1
+    assert await count_rows(db, "flows", subject=user) == 1
+
+
+@pytest.mark.parametrize(
+    ("action", "status", "wording"),
+    [("decline", "declined", "declined"), ("cancel", "cancelled", "Call the tool again")],
+)
+async def test_c8_decline_or_cancel_ends_the_flow_with_an_error_result(
+    action: str, status: str, wording: str, mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C8. The model must see the outcome: an `isError` CallToolResult (not a JSON-RPC error),
+    the flow ended for good; a later accept on the same state gets the same outcome."""
+    user = fresh_user(f"c8-{action}")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+
+    response = await retry(mcp, token, result["requestState"], action=action)
+    later = await retry(mcp, token, result["requestState"], action="accept")
+
+    ended = tool_result(response)
+    assert ended["isError"] is True
+    assert wording in ended["content"][0]["text"]
+    assert ended["structuredContent"] == {"status": status}
+    row = await flow_row(db, flow_id) or {}
+    assert row["status"] == status
+    assert tool_result(later)["structuredContent"] == {"status": status}
+    assert await count_rows(db, "connections", subject=user) == 0
+
+
+async def test_c9_retrying_a_completed_round_twice_gives_the_same_result(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """C9. Idempotent retries: the first marks the flow consumed, the second (same state) gets
+    the same final result, not a new elicitation and not a second connection."""
+    user = fresh_user("c9")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+
+    first = await retry(mcp, token, result["requestState"])
+    second = await retry(mcp, token, result["requestState"])
+
+    assert tool_result(first) == tool_result(second)
+    assert tool_result(first)["structuredContent"]["status"] == "connected"
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+    assert await count_rows(db, "flows", subject=user) == 1
+    assert await count_rows(db, "connections", subject=user) == 1
+    assert API_KEY not in first.text + second.text
+
+
+async def test_c10_credential_removed_after_completion_starts_a_new_flow(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """C10. The completed flow is not proof of a credential: the tool runs again, finds none and
+    asks for a new connection with a new flow."""
+    user = fresh_user("c10")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+    async with db.begin() as connection:
+        await connection.execute(text("DELETE FROM connections WHERE subject = :s"), {"s": user})
+
+    response = await retry(mcp, token, result["requestState"])
+
+    body = response.json()
+    validate_response(body, "InputRequiredResult")
+    _, new_flow = flow_id_from(body["result"])
+    assert new_flow != flow_id
+    assert (await flow_row(db, new_flow) or {})["status"] == "pending"
+    assert await count_rows(db, "flows", subject=user) == 2
+
+
+@pytest.mark.parametrize(
+    "responses",
+    [
+        {"connect_demo": {"action": "maybe"}},
+        {"connect_demo": {"content": {}}},
+        {"connect_demo": "accept"},
+        {"connect_demo": {"action": "accept"}, "unrelated": 7},
+        "accept",
+        ["accept"],
+    ],
+    ids=["unknown-action", "no-action", "string-answer", "non-object-extra", "string", "list"],
+)
+async def test_c11_malformed_input_responses_are_invalid_params(
+    responses: Any, mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """C11. An answer that is not an ElicitResult (schema: InputResponses values are objects with
+    an `action` enum) is -32602, not a 500 and not a flow change."""
+    user = fresh_user("c11")
+    token = token_for(user)
+    result, _, _ = await round_one(mcp, token)
+    before = await snapshot(db, user)
+
+    response = await retry(mcp, token, result["requestState"], responses=responses)
+
+    error = rejection(response)
+    assert "inputResponses" in error["message"]
+    assert await snapshot(db, user) == before
+
+
+async def test_c11_unknown_keys_next_to_a_valid_accept_are_ignored(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """C11. Extra response keys and extra fields in the answer do not change the outcome
+    (conformance `input-required-result-ignore-extra-params`)."""
+    user = fresh_user("c11-extra")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+    responses = {
+        "connect_demo": {"action": "accept", "content": {"x": "y"}, "note": "extra"},
+        "unknown_extra_key": {"action": "accept"},
+        "another_unexpected": {"action": "decline"},
+    }
+
+    response = await retry(mcp, token, result["requestState"], responses=responses)
+
+    assert tool_result(response)["structuredContent"]["status"] == "connected"
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+
+
+# ------------------------------------------------------------------------------------------------
+# The browser side ends the wait: decline button, and a prompt wake on completion
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_decline_on_the_connect_page_gives_the_retry_a_declined_result(
+    mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """DESIGN §3.1: the page's "Don't connect" button declines the flow; the client's accept then
+    gets the `isError` outcome at once instead of waiting."""
+    user = fresh_user("page-decline")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    page = await browser.get(f"/connect/{flow_id}")
+    assert 'data-action="decline"' in page.text
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+
+    declined = await browser.post(f"/connect/{flow_id}/decline", data={"csrf": csrf})
+    started = time.monotonic()
+    response = await retry(mcp, token, result["requestState"])
+    waited = time.monotonic() - started
+
+    assert declined.status_code == 303
+    assert declined.headers["location"] == f"/connect/{flow_id}"
+    ended = tool_result(response)
+    assert ended["isError"] is True
+    assert "declined" in ended["content"][0]["text"]
+    assert ended["structuredContent"] == {"status": "declined"}
+    assert waited < RETRY_WAIT_SECONDS - 1
+    assert (await flow_row(db, flow_id) or {})["status"] == "declined"
+    assert await count_rows(db, "connections", subject=user) == 0
+
+
+@pytest.fixture(scope="module")
+def slow_broker(workdir: Path) -> Iterator[tuple[IdpProcess, BrokerProcess]]:
+    """A broker with retry_wait_seconds=15 and its own IdP (which knows its login callback)."""
+    port = free_port()
+    idp_config = IdpConfig(
+        resources=[f"http://127.0.0.1:{port}/mcp"],
+        clients=[
+            client_metadata(
+                "broker-login",
+                [f"http://127.0.0.1:{port}/login/callback"],
+                client_secret="broker-login-secret",
+            )
+        ],
+    )
+    with running_idp(idp_config, workdir) as idp:
+        config = BrokerConfig(
+            issuer=idp.issuer,
+            port=port,
+            retry_wait_seconds=SLOW_RETRY_WAIT_SECONDS,
+            providers={"demo": DEMO_PROVIDER},
+        )
+        with running_broker(config, workdir, name=f"slow-{secrets.token_hex(3)}") as broker:
+            yield idp, broker
+
+
+@pytest.fixture
+async def slow_clients(
+    slow_broker: tuple[IdpProcess, BrokerProcess],
+) -> AsyncIterator[tuple[McpHttp, Browser]]:
+    _, broker = slow_broker
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    yield mcp, browser
+    await mcp.aclose()
+    await browser.aclose()
+
+
+async def test_a_waiting_retry_returns_as_soon_as_the_browser_completes_the_flow(
+    slow_broker: tuple[IdpProcess, BrokerProcess], slow_clients: tuple[McpHttp, Browser]
+) -> None:
+    """DESIGN §3.1 step 5: the wait is woken by completion (LISTEN/NOTIFY on PostgreSQL, a short
+    poll on SQLite), not by the end of retry_wait_seconds."""
+    idp, broker = slow_broker
+    mcp, browser = slow_clients
+    user = fresh_user("wake")
+    token = mint_token(idp.signing_jwk, issuer=idp.issuer, audience=broker.mcp_url, subject=user)
+    result, _, flow_id = await round_one(mcp, token)
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    started = time.monotonic()
+    waiting = asyncio.create_task(retry(mcp, token, result["requestState"]))
+    # A bounded negative check, not a pause: the retry must still be held while the flow is open.
+    done, _ = await asyncio.wait({waiting}, timeout=1.0)
+    assert not done, "the retry returned while the flow was still pending"
+
+    submitted_at = time.monotonic()
+    submitted = await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": API_KEY}
+    )
+    response = await asyncio.wait_for(waiting, timeout=SLOW_RETRY_WAIT_SECONDS + 10)
+    finished = time.monotonic()
+
+    assert submitted.status_code == 303
+    assert tool_result(response)["structuredContent"]["status"] == "connected"
+    assert finished - submitted_at < 1.5
+    assert finished - started < SLOW_RETRY_WAIT_SECONDS / 3
+
+
+# ------------------------------------------------------------------------------------------------
+# J7: the sweeper
+# ------------------------------------------------------------------------------------------------
+
+
+def _bulk_flow(subject: str, status: str, expires_at: datetime) -> Flow:
+    now = datetime.now(UTC)
+    return Flow(
+        id=secrets.token_urlsafe(32),
+        issuer="http://sweeper.test",
+        subject=subject,
+        client_id="mcp-client",
+        client_name=None,
+        audience="mcp",
+        provider="demo",
+        scopes="",
+        tool_name="connect_account",
+        args_digest=arguments_digest(ARGUMENTS),
+        status=status,
+        state_digest=secrets.token_hex(32),
+        sealed_pkce_verifier="v1.k.nonce.box",
+        created_at=now - timedelta(minutes=20),
+        updated_at=now - timedelta(minutes=20),
+        expires_at=expires_at,
+    )
+
+
+async def _purge(db: AsyncEngine) -> tuple[int, int]:
+    async with AsyncSession(db) as session, session.begin():
+        return await purge(session)
+
+
+async def _statuses(db: AsyncEngine, subject: str) -> dict[str, int]:
+    async with db.connect() as connection:
+        rows = await connection.execute(
+            text(
+                "SELECT status, count(*) AS n FROM flows WHERE subject = :s"
+                " AND state_digest IS NULL AND sealed_pkce_verifier IS NULL GROUP BY status"
+            ),
+            {"s": subject},
+        )
+        return {row.status: int(row.n) for row in rows}
+
+
+async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_secrets(
+    db: AsyncEngine,
+) -> None:
+    """J7. 1000 open flows past expires_at become `expired` with digest and PKCE verifier nulled;
+    a finished flow keeps its status; a day later all of them are deleted."""
+    subject = fresh_user("j7-bulk")
+    past = datetime.now(UTC) - timedelta(minutes=1)
+    flows = [_bulk_flow(subject, FlowStatus.pending, past) for _ in range(1000)]
+    flows.append(_bulk_flow(subject, FlowStatus.completed, past))
+    async with AsyncSession(db) as session, session.begin():
+        session.add_all(flows)
+
+    expired, _ = await _purge(db)
+
+    assert expired >= 1000
+    assert await _statuses(db, subject) == {FlowStatus.expired: 1000}
+    assert await count_rows(db, "flows", subject=subject, status="completed") == 1
+
+    async with db.begin() as connection:
+        await connection.execute(
+            update(Flow)
+            .where(Flow.subject == subject)
+            .values(expires_at=datetime.now(UTC) - timedelta(days=2))
+        )
+    _, deleted = await _purge(db)
+
+    assert deleted >= 1001
+    assert await count_rows(db, "flows", subject=subject) == 0
+
+
+async def test_j7_retry_of_a_swept_flow_gets_an_expired_result(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """J7 seen from the client: once the sweeper expired (or deleted) the flow, the retry's answer
+    is the `isError` "expired" outcome, at once; a flow still inside its TTL is left alone."""
+    user = fresh_user("j7-client")
+    token = token_for(user)
+    stale, _, stale_flow = await round_one(mcp, token)
+    ancient, _, ancient_flow = await round_one(mcp, token)
+    _, _, live_flow = await round_one(mcp, token)
+    now = datetime.now(UTC)
+    async with db.begin() as connection:
+        for flow_id, expires_at in (
+            (stale_flow, now - timedelta(seconds=1)),
+            (ancient_flow, now - timedelta(days=1, minutes=1)),
+        ):
+            await connection.execute(
+                update(Flow).where(Flow.id == flow_id).values(expires_at=expires_at)
+            )
+
+    await _purge(db)
+    answers = [await retry(mcp, token, state["requestState"]) for state in (stale, ancient)]
+
+    assert (await flow_row(db, stale_flow) or {})["status"] == FlowStatus.expired
+    assert await flow_row(db, ancient_flow) is None
+    assert (await flow_row(db, live_flow) or {})["status"] == FlowStatus.pending
+    for answer in answers:
+        ended = tool_result(answer)
+        assert ended["isError"] is True
+        assert ended["structuredContent"] == {"status": "expired"}

@@ -1,0 +1,123 @@
+"""`connect-broker dev`: the loopback playground with its development IdP, end to end over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx2
+import pytest
+
+from .support.broker import BrokerProcess
+from .support.clients import Browser, McpHttp, flow_id_from
+from .support.idp import free_port
+
+
+@pytest.fixture(scope="module")
+def playground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    cwd = tmp_path_factory.mktemp("dev")
+    port = free_port()
+    log = (cwd / "dev.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "dev", "--port", str(port)],
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx2.HTTPError):
+                if httpx2.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError((cwd / "dev.log").read_text())
+        yield url, cwd
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def dev_token(cwd: Path, user: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "dev-token", user],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
+    return result.stdout
+
+
+async def test_dev_token_prints_one_line_that_the_playground_accepts(
+    playground: tuple[str, Path],
+) -> None:
+    url, cwd = playground
+    output = dev_token(cwd, "alice")
+    mcp = McpHttp(f"{url}/mcp")
+
+    response = await mcp.call_tool(output.strip(), "connect_account", {"provider": "demo"})
+    await mcp.aclose()
+
+    assert output.count("\n") == 1 and output.endswith("\n")
+    assert response.json()["result"]["resultType"] == "input_required"
+    assert (cwd / "data" / "dev.json").stat().st_mode & 0o777 == 0o600
+    assert (cwd / "data" / "dev-idp-key.json").stat().st_mode & 0o777 == 0o600
+
+
+async def test_dev_playground_connects_the_demo_provider_end_to_end(
+    playground: tuple[str, Path],
+) -> None:
+    """The README's first run: token → elicitation → dev login as alice → API key → retry."""
+    url, cwd = playground
+    token = dev_token(cwd, "alice").strip()
+    mcp, browser = McpHttp(f"{url}/mcp"), Browser(url)
+    first = (await mcp.call_tool(token, "connect_account", {"provider": "demo"})).json()["result"]
+    key, flow_id = flow_id_from(first)
+
+    to_login = await browser.get(f"/connect/{flow_id}")
+    to_idp = await browser.get(to_login.headers["location"])
+    form = await browser.http.get(to_idp.headers["location"])
+    fields = dict(re.findall(r'type="hidden" name="([^"]+)" value="([^"]*)"', form.text))
+    back = await browser.http.post(f"{url}/dev-idp/authorize", data={**fields, "username": "alice"})
+    callback = urlsplit(back.headers["location"])
+    landed = await browser.get(f"{callback.path}?{callback.query}")
+    csrf = await browser.csrf_token(landed.headers["location"])
+    await browser.post(f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": "demo_abc123"})
+    retry = await mcp.call_tool(
+        token,
+        "connect_account",
+        {"provider": "demo"},
+        input_responses={key: {"action": "accept"}},
+        request_state=first["requestState"],
+    )
+    await mcp.aclose()
+    await browser.aclose()
+
+    assert "DEVELOPMENT IDENTITY PROVIDER" in form.text
+    assert landed.headers["location"] == f"/connect/{flow_id}"
+    assert retry.json()["result"]["structuredContent"]["status"] == "connected"
+
+
+async def test_serve_never_exposes_the_development_idp(broker: BrokerProcess) -> None:
+    """The dev IdP is mounted only by the `dev` command; no setting enables it."""
+    async with httpx2.AsyncClient(trust_env=False) as http:
+        for path in (
+            "/dev-idp/.well-known/openid-configuration",
+            "/dev-idp/authorize",
+            "/dev-idp/jwks",
+        ):
+            assert (await http.get(f"{broker.url}{path}")).status_code == 404
