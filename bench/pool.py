@@ -78,17 +78,16 @@ class TokenMinter:
         return [(f"{prefix}-{i}", self.mint(f"{prefix}-{i}")) for i in range(start, start + count)]
 
 
-def call_body(
-    request_state: str | None = None, *, method: str = "tools/call", request_id: int = 1
-) -> dict[str, Any]:
+LIST_BODY = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": META}}
+
+
+def call_body(request_state: str | None = None) -> dict[str, Any]:
     """The canonical connect_account request; with `request_state`, its accepted retry."""
     params: dict[str, Any] = {"name": TOOL, "arguments": {"provider": "demo"}, "_meta": META}
-    if method != "tools/call":
-        params = {"_meta": META}
     if request_state is not None:
         params["inputResponses"] = {INPUT_KEY: {"action": "accept"}}
         params["requestState"] = request_state
-    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+    return {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}
 
 
 def headers(token: str, method: str = "tools/call") -> dict[str, str]:
@@ -118,7 +117,7 @@ async def prime(mcp_url: str, tokens: list[str]) -> None:
         async def one(token: str) -> None:
             async with limit:
                 response = await http.post(
-                    mcp_url, json=call_body(method="tools/list"), headers=headers(token, "tools/list")
+                    mcp_url, json=LIST_BODY, headers=headers(token, "tools/list")
                 )
             if response.status_code != 200:
                 raise PoolError(f"tools/list answered {response.status_code}: {response.text}")

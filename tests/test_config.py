@@ -106,9 +106,11 @@ def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
 def test_a_bad_value_is_refused_naming_the_key(
     tmp_path: Path, change: tuple[str, str], key: str
 ) -> None:
+    def load_for_serve() -> None:
+        require_serve_ready(load_settings(write(tmp_path, VALID.replace(*change)), environ={}))
+
     with pytest.raises(ConfigError) as error:
-        settings = load_settings(write(tmp_path, VALID.replace(*change)), environ={})
-        require_serve_ready(settings)
+        load_for_serve()
 
     assert str(error.value).startswith(key)
 
