@@ -137,4 +137,5 @@ async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     return response
 
 
-DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout)
+# connection failures surface as OSError subclasses before SQLAlchemy can wrap them
+DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout, ConnectionError, TimeoutError)

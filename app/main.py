@@ -190,7 +190,7 @@ async def _readyz(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
     try:
         async with asyncio.timeout(3), runtime.engine.connect() as connection:
-            await connection.execute(text("SELECT 1"))
+            await connection.execute(text("SELECT version_num FROM alembic_version"))
     except (*DATABASE_ERRORS, OSError, TimeoutError):
         return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
     return JSONResponse({"status": "ready"})

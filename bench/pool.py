@@ -122,7 +122,10 @@ async def prime(mcp_url: str, tokens: list[str]) -> None:
             if response.status_code != 200:
                 raise PoolError(f"tools/list answered {response.status_code}: {response.text}")
 
-        await asyncio.gather(*(one(token) for token in tokens))
+        # One request first: a broker that has no JWKS yet answers 503 to requests arriving
+        # while its first JWKS fetch is in flight (app/auth/jwks.py keys_for skips the lock).
+        await one(tokens[0])
+        await asyncio.gather(*(one(token) for token in tokens[1:]))
 
 
 async def post(http: httpx2.AsyncClient, mcp_url: str, entry: Entry) -> dict[str, Any]:

@@ -109,8 +109,8 @@ async def _pg_admin(statement: str) -> None:
 @contextlib.contextmanager
 def running_broker(
     config: BrokerConfig, database_url: str, workdir: Path, *, name: str, pin: Pinning
-) -> Iterator[Path]:
-    """Migrate, then `connect-broker serve --workers 1`; yields the log file."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Migrate, then `connect-broker serve --workers 1` (log in `workdir/<name>.log`)."""
     config_path = workdir / f"{name}.toml"
     config_path.write_text(config.render(database_url))
     cli = [sys.executable, "-m", "app.cli", "--config", str(config_path)]
@@ -126,16 +126,16 @@ def running_broker(
         raise StackError(f"migrate failed:\n{migrated.stderr}")
     serve = [*pin.server, *cli, "serve", "--port", str(config.port), "--workers", "1"]
     log_path = workdir / f"{name}.log"
-    with running_process(serve, log_path, http_ok(f"{config.public_url}/healthz"), name):
-        yield log_path
+    with running_process(serve, log_path, http_ok(f"{config.public_url}/healthz"), name) as process:
+        yield process
 
 
 @contextlib.contextmanager
-def running_echo(port: int, workdir: Path, *, pin: Pinning) -> Iterator[str]:
-    """The bare reference app (bench/echo_app.py); yields its POST URL."""
+def running_echo(port: int, workdir: Path, *, pin: Pinning) -> Iterator[subprocess.Popen[bytes]]:
+    """The bare reference app (bench/echo_app.py) on `http://127.0.0.1:<port>/mcp`."""
     command = [*pin.server, sys.executable, "-m", "bench.echo_app", "--port", str(port)]
-    with running_process(command, workdir / "echo.log", accepts(port), "echo app"):
-        yield f"http://127.0.0.1:{port}/mcp"
+    with running_process(command, workdir / "echo.log", accepts(port), "echo app") as process:
+        yield process
 
 
 @contextlib.contextmanager
@@ -176,6 +176,16 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(STOP_TIMEOUT)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc), or None where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # fields[0] is field 3 of proc(5) (state): utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def http_ok(url: str) -> Callable[[], bool]:

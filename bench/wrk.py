@@ -11,6 +11,7 @@ from pathlib import Path
 LUA_SCRIPT = Path(__file__).resolve().parent / "mcp.lua"
 EXTRA_TIMEOUT = 60  # seconds wrk may take beyond --duration before it is killed
 UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+SOCKET_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 
 
 class WrkError(RuntimeError):
@@ -75,14 +76,15 @@ def run_wrk(
 
 def parse_report(text: str) -> WrkResult:
     """The figures of a `wrk --latency` report plus the BENCH line printed by mcp.lua."""
-    sockets = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    sockets = SOCKET_ERRORS.search(text)
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
     bench = _search(r"^BENCH issued=(\d+) unexpected=(\d+) pool=(\d+)$", text)
     return WrkResult(
         requests=int(_search(r"^\s*(\d+) requests in ", text).group(1)),
         rps=float(_search(r"^Requests/sec:\s+([\d.]+)", text).group(1)),
         p50_ms=_percentile(text, "50"),
         p99_ms=_percentile(text, "99"),
-        non_2xx=int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", text)) else 0,
+        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
         socket_errors=sum(int(n) for n in sockets.groups()) if sockets else 0,
         issued=int(bench.group(1)),
         unexpected=int(bench.group(2)),

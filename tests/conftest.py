@@ -131,3 +131,8 @@ async def count_rows(db: AsyncEngine, table: str, **where: Any) -> int:
     async with db.connect() as connection:
         value = await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {clause}"), where)
     return int(value or 0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The canary sweep (I1) must see the logs of every other test: run it last."""
+    items.sort(key=lambda item: item.name.startswith("test_i1_canary_sweep"))

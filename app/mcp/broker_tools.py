@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from app import credentials
-from app.mcp.protocol import missing_capability
+from app.mcp.protocol import invalid_params, missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
     InputRequired,
@@ -142,7 +142,7 @@ class BrokerTools:
         answer = call.input_responses.get(CONFIRM_KEY) if call.state == provider else None
         if answer is None:
             return _confirm(call, name, credential.account_label, provider)
-        if answer.get("action") == "accept" and (answer.get("content") or {}).get("confirm"):
+        if answer.get("action") == "accept" and _confirmed(answer):
             async with self.runtime.sessionmaker.begin() as session:
                 await credentials.remove(
                     session, principal=call.caller.principal, provider=provider, audience=AUDIENCE
@@ -167,6 +167,20 @@ class BrokerTools:
         return ToolResult(
             text=f"Unknown provider {name!s:.64}. Known providers: {known}.", is_error=True
         )
+
+
+def _confirmed(answer: dict[str, Any]) -> bool:
+    """Only a boolean `confirm: true` is a yes (the string "false" is truthy).
+
+    Raises:
+        JsonRpcError: -32602 when the form content is not an object (ElicitResult.content).
+    """
+    content = answer.get("content")
+    if content is None:
+        return False
+    if not isinstance(content, dict):
+        raise invalid_params(f"inputResponses.{CONFIRM_KEY}.content must be an object")
+    return content.get("confirm") is True
 
 
 def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> InputRequired:

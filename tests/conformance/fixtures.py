@@ -142,14 +142,14 @@ def _step_two(name: str) -> InputRequired:
 
 
 async def tampered_state(call: ToolCall) -> ToolResult | InputRequired:
-    """Completes on an intact state; a tampered one never reaches here (the framework says -32602)."""
+    """Completes on an intact state; a tampered one never gets here (the framework says -32602)."""
     if call.state != STATE_MARKER or _accepted(call, "confirm", "ok", bool) is None:
         return InputRequired({"confirm": _form("Please confirm", "ok", "boolean")}, STATE_MARKER)
     return ToolResult(text="state-ok")
 
 
 async def capabilities(call: ToolCall) -> ToolResult | InputRequired:
-    """Asks only through a capability the client declared: elicitation, else sampling, else roots."""
+    """Asks only through a declared capability: elicitation, else sampling, else roots."""
     answer = _accepted(call, "user_name", "name") or _sampled_text(call, "capital_question")
     roots = _roots(call, "client_roots")
     if answer is not None or roots is not None:
@@ -157,9 +157,7 @@ async def capabilities(call: ToolCall) -> ToolResult | InputRequired:
     if call.has_capability("elicitation"):
         return InputRequired({"user_name": _form("What is your name?", "name")})
     if call.has_capability("sampling"):
-        return InputRequired(
-            {"capital_question": _sampling("What is the capital of France?", 100)}
-        )
+        return InputRequired({"capital_question": _sampling("What is the capital of France?", 100)})
     if call.has_capability("roots"):
         return InputRequired({"client_roots": ROOTS_REQUEST})
     return ToolResult(text="The client declared no capability to ask for input.", is_error=True)

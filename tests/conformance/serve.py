@@ -46,7 +46,7 @@ class InjectBearer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, required=True, help="the broker's TOML configuration")
+    parser.add_argument("--config", type=Path, required=True, help="broker TOML configuration")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_VARIABLE, "").strip()
@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"set {TOKEN_VARIABLE} to the access token to inject")
     settings = load_settings(args.config)
     require_serve_ready(settings)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = InjectBearer(create_app(settings, registry=conformance_registry()), token)
     uvicorn.run(
         app,

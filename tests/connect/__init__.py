@@ -11,16 +11,20 @@ import contextlib
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+import httpx2
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.clock import utcnow
 from app.models import Connection, Flow
 
 from ..support.broker import BrokerConfig, BrokerProcess, running_broker
-from ..support.clients import McpHttp, flow_id_from
+from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.idp import (
     IdpConfig,
     IdpProcess,
@@ -37,20 +41,67 @@ def unique(name: str) -> str:
     return f"{name}-{secrets.token_hex(4)}"
 
 
-async def open_flow(mcp: McpHttp, token: str, provider: str = "demo") -> str:
-    """Round 1 of `connect_account`: the id of the flow the URL elicitation points at."""
+async def start_connect(mcp: McpHttp, token: str, provider: str = "demo") -> dict[str, Any]:
+    """Round 1 of `connect_account`: the InputRequiredResult (validated against the schema)."""
     response = await mcp.call_tool(token, "connect_account", {"provider": provider})
     assert response.status_code == 200, response.text
     body = response.json()
     validate_response(body, "InputRequiredResult")
-    return flow_id_from(body["result"])[1]
+    result: dict[str, Any] = body["result"]
+    return result
+
+
+async def open_flow(mcp: McpHttp, token: str, provider: str = "demo") -> str:
+    """The id of the flow a fresh `connect_account` elicitation points at."""
+    return flow_id_from(await start_connect(mcp, token, provider))[1]
+
+
+async def submit_key(browser: Browser, flow_id: str, key: str, **extra: str) -> httpx2.Response:
+    """Fill in and post the API-key form as its owner would (CSRF token from the page)."""
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    return await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": key, **extra}
+    )
+
+
+def html_forms(text: str) -> list[dict[str, Any]]:
+    """The page's forms: action, method and {input name: attributes}."""
+    parser = _Forms()
+    parser.feed(text)
+    return parser.forms
+
+
+class _Forms(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forms: list[dict[str, Any]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = {name: value or "" for name, value in attrs}
+        if tag == "form":
+            self.forms.append(
+                {"action": values.get("action"), "method": values.get("method"), "inputs": {}}
+            )
+        elif tag == "input" and self.forms and "name" in values:
+            self.forms[-1]["inputs"][values["name"]] = values
 
 
 async def flow_snapshot(db: AsyncEngine, flow_id: str) -> dict[str, Any]:
     """Every column of the flow row (updated_at included, so any write shows)."""
     async with db.connect() as connection:
-        row = (await connection.execute(select(Flow).where(Flow.id == flow_id))).mappings().one()
+        statement = select(Flow.__table__).where(Flow.id == flow_id)
+        row = (await connection.execute(statement)).mappings().one()
     return dict(row)
+
+
+async def expire_flow(db: AsyncEngine, flow_id: str) -> None:
+    """Move the flow's expiry into the past, as ten minutes of waiting would."""
+    async with db.begin() as connection:
+        await connection.execute(
+            update(Flow)
+            .where(Flow.id == flow_id)
+            .values(expires_at=utcnow() - timedelta(minutes=1))
+        )
 
 
 async def connections_of(db: AsyncEngine, *subjects: str) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from unittest.mock import ANY
 
 from mcp.client.session import ClientRequestContext
 from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
@@ -71,6 +72,7 @@ async def sign_in(page: Page, idp: IdpProcess, user: str) -> Response:
     IdP wants one (ours grants on its own, so normally none appears).
     """
     for _ in range(MAX_IDP_PAGES):
+        assert page.url.startswith(f"{idp.issuer}/"), f"not at the IdP: {page.url}"
         login = page.locator('input[name="login"]')
         if await login.count():
             await login.fill(user, timeout=ACTION_TIMEOUT_MS)
@@ -142,7 +144,7 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
     token = await access_token(user)
     seen: dict[str, Any] = {}
     responses: list[Response] = []
-    context.on("response", responses.append)
+    context.on("response", lambda response: responses.append(response))
 
     async def connect_in_browser(url: str) -> Action:
         async with open_page(context) as page:
@@ -172,6 +174,7 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
         "content": [{"type": "text", "text": "Demo is connected."}],
         "structuredContent": {"provider": "demo", "status": "connected", "account": None},
         "isError": False,
+        "_meta": {"io.modelcontextprotocol/serverInfo": {"name": "connect-broker", "version": ANY}},
     }
     wire.validate()
     assert [call.response["result"]["resultType"] for call in wire.calls()] == [  # type: ignore[index]
@@ -322,7 +325,9 @@ async def test_h6_framing_is_blocked(
         assert landed.status == 200
         assert await page.locator('input[name="api_key"]').count() == 1  # top level: usable
     framed: list[Response] = []
-    context.on("response", lambda response: framed.append(response) if response.url == url else None)
+    context.on(
+        "response", lambda response: framed.append(response) if response.url == url else None
+    )
 
     async with framing_site(url) as site, open_page(context) as page:
         await page.goto(site, timeout=ACTION_TIMEOUT_MS)

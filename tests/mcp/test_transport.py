@@ -270,9 +270,7 @@ async def test_b10_version_header_missing_or_different_is_a_header_mismatch(
     headers = {"MCP-Protocol-Version": header} if header else {}
     drop = () if header else ("MCP-Protocol-Version",)
 
-    response = await mcp.post(
-        body, token=token_for(fresh_user("b10")), headers=headers, drop=drop
-    )
+    response = await mcp.post(body, token=token_for(fresh_user("b10")), headers=headers, drop=drop)
 
     rpc_error(response, 400, -32020)
     assert response.json()["id"] == body["id"]
@@ -489,15 +487,17 @@ def as_notification(body: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if key != "id"}
 
 
-async def test_b20_notification_is_accepted_with_an_empty_202(
-    mcp: McpHttp, token_for: Any
-) -> None:
-    """B20. A well-formed notification gets 202 and no body (we pin 202, not 400)."""
-    body = as_notification(request_body("notifications/cancelled", {"requestId": 7}))
+async def test_b20_notification_is_accepted_with_an_empty_202(mcp: McpHttp, token_for: Any) -> None:
+    """B20. A well-formed notification gets 202 and no body (we pin 202, not 400).
+
+    Notifications carry no request _meta (schema NotificationParams), only the MCP headers.
+    """
+    body = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}
+    validate(body, "CancelledNotification")
 
     response = await mcp.post(body, token=token_for(fresh_user("b20")))
 
-    assert response.status_code == 202
+    assert response.status_code == 202, response.text
     assert response.content == b""
 
 

@@ -8,6 +8,7 @@ can read (canary sweeps, security events).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,17 @@ from .idp import free_port
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 START_TIMEOUT = 30.0
+
+
+def _run_sync(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a coroutine to completion, also from code that is itself inside an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(make())
+        return
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(make())).result()
 
 
 def database_kind() -> str:
@@ -54,7 +66,7 @@ def fresh_database(workdir: Path, name: str) -> str:
         finally:
             await connection.close()
 
-    asyncio.run(create())
+    _run_sync(create)
     return f"postgresql://postgres@127.0.0.1:5432/{db_name}"
 
 
@@ -74,7 +86,7 @@ def drop_database(url: str) -> None:
         finally:
             await connection.close()
 
-    asyncio.run(drop())
+    _run_sync(drop)
 
 
 def toml_value(value: Any) -> str:

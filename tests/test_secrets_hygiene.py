@@ -1,0 +1,192 @@
+"""Secrets hygiene: nothing secret in logs, pages, errors or the database (SECURITY.md I1, I2).
+
+The canary sweep runs last (see `pytest_collection_modifyitems` in conftest.py): every test that
+handles a secret uses a value containing "CANARY", so one grep over every broker and IdP log and a
+dump of the session broker's database proves none of them leaked in plaintext.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .conftest import ARTIFACTS
+from .support.broker import BrokerConfig, BrokerProcess, database_kind, running_broker
+from .support.clients import Browser, McpHttp
+from .support.idp import IdpProcess, free_port, mint_token
+
+CANARY = "CANARY"
+LEAK_MARKERS = (
+    "Traceback",
+    "postgresql://",
+    "sqlite:///",
+    "SELECT ",
+    "INSERT ",
+    "asyncpg",
+    "sqlalchemy",
+    "127.0.0.1:5432",
+)
+
+
+class TcpProxy:
+    """A loopback TCP relay we can cut, standing for a database that goes away."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in list(self.writers):
+            writer.close()
+        await self.server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(
+            "127.0.0.1", self.target_port
+        )
+        self.writers.update((writer, upstream_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+
+@pytest.fixture
+async def broker_behind_proxy(
+    idp: IdpProcess, workdir: Path
+) -> AsyncIterator[tuple[BrokerProcess, TcpProxy | None]]:
+    """A broker whose database can be taken away (PostgreSQL through a cuttable proxy)."""
+    proxy = TcpProxy(5432) if database_kind() == "postgresql" else None
+    if proxy is not None:
+        await proxy.start()
+    config = BrokerConfig(
+        issuer=idp.issuer, providers={"demo": {"kind": "api_key", "display_name": "Demo"}}
+    )
+    with running_broker(config, workdir, name="outage") as broker:
+        if proxy is not None:
+            broker.config_path.write_text(
+                broker.config_path.read_text().replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+            )
+            broker.stop()
+            restarted = await asyncio.to_thread(_restart, broker)
+            yield restarted, proxy
+        else:
+            yield broker, None
+
+
+def _restart(broker: BrokerProcess) -> BrokerProcess:
+    import subprocess
+    import sys
+    import time
+
+    with broker.log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "--config",
+                str(broker.config_path),
+                "serve",
+                "--port",
+                str(broker.config.port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    broker.process = process
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(f"{broker.url}/healthz", timeout=1).status_code == 200:
+                return broker
+        time.sleep(0.1)
+    raise RuntimeError(broker.log())
+
+
+async def _take_database_away(broker: BrokerProcess, proxy: TcpProxy | None) -> None:
+    if proxy is not None:
+        await proxy.cut()
+    else:
+        path = Path(broker.database_url.removeprefix("sqlite:///"))
+        for suffix in ("-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        path.write_bytes(b"this is not a database" * 100)
+
+
+async def test_i2_database_outage_answers_generically_without_leaks(
+    broker_behind_proxy: tuple[BrokerProcess, TcpProxy | None], idp: IdpProcess
+) -> None:
+    """I2/J1: with the database gone, /mcp answers -32603 + 503 + Retry-After, pages a 503 page;
+    nothing names the DSN, SQL or a stack trace; /healthz stays 200, /readyz 503."""
+    broker, proxy = broker_behind_proxy
+    token = mint_token(
+        idp.signing_jwk, issuer=idp.issuer, audience=broker.mcp_url, subject="outage-user"
+    )
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    await _take_database_away(broker, proxy)
+
+    started = asyncio.get_running_loop().time()
+    answer = await mcp.call_tool(token, "connect_account", {"provider": "demo"})
+    elapsed = asyncio.get_running_loop().time() - started
+    page = await browser.get("/connect/" + "A" * 43, headers={"Cookie": "__Host-broker_session=x"})
+    health = await browser.get("/healthz")
+    ready = await browser.get("/readyz")
+    await mcp.aclose()
+    await browser.aclose()
+
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    assert answer.json()["error"]["code"] == -32603
+    assert elapsed < 8
+    assert page.status_code == 503 and "Temporarily unavailable" in page.text
+    assert health.status_code == 200 and ready.status_code == 503
+    for body in (answer.text, page.text, ready.text):
+        assert not any(marker in body for marker in LEAK_MARKERS), body
+
+
+def _canary_hits(text_: str) -> list[str]:
+    return [line[:200] for line in text_.splitlines() if CANARY in line]
+
+
+async def _dump(db: AsyncEngine) -> str:
+    lines: list[str] = []
+    async with db.connect() as connection:
+        for table in ("flows", "connections", "login_sessions"):
+            rows = (await connection.execute(text(f"SELECT * FROM {table}"))).all()
+            lines += [repr(row) for row in rows]
+    return "\n".join(lines)
+
+
+async def test_i1_canary_sweep_finds_no_secret_in_logs_or_database(
+    broker: BrokerProcess, db: AsyncEngine, workdir: Path
+) -> None:
+    """I1: after the whole suite, no canary secret appears in any log or the database dump."""
+    logs: dict[str, Any] = {
+        path.name: path.read_text(errors="replace") for path in sorted(ARTIFACTS.rglob("*.log"))
+    }
+    dump = await _dump(db)
+
+    leaks = {name: hits for name, body in logs.items() if (hits := _canary_hits(body))}
+    assert logs, "no logs were collected"
+    assert "CANARY" not in dump
+    assert leaks == {}
