@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from app.providers.presets import apply_preset
 from app.providers.settings import ProviderSettings, provider_settings_adapter
 
 SECTIONS = ("server", "database", "identity", "keys")
@@ -286,7 +287,7 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
             raise ConfigError(f"providers.{name}: names are lowercase letters, digits, - and _")
         try:
-            providers[name] = provider_settings_adapter.validate_python(values)
+            providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:
             raise ConfigError(_describe(exc, f"providers.{name}")) from None
     return Settings(source=source, providers=providers, **sections)

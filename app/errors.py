@@ -8,7 +8,7 @@ problem JSON (RFC 9457). Internal detail goes to the log with the request id, ne
 from __future__ import annotations
 
 import logging
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -40,7 +40,9 @@ class BrokerError(Exception):
     ) -> None:
         self.public_message = message or self.message
         self.public_next_step = next_step or self.next_step
-        self.page = page or {}  # extra values for the HTML page (e.g. a sign-out form)
+        self.page: dict[str, Any] = (
+            page or {}
+        )  # extra values for the HTML page (e.g. a sign-out form)
         super().__init__(self.public_message)
 
 

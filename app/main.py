@@ -21,7 +21,7 @@ from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache
 from app.config import Settings
-from app.connect import pages
+from app.connect import oauth_pages, pages
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.crypto import Keyring
@@ -145,6 +145,7 @@ def create_app(
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.include_router(login.router)
     app.include_router(pages.router)
+    app.include_router(oauth_pages.router)
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)

@@ -38,9 +38,17 @@ class Runtime:
     notifier: FlowNotifier
     http: httpx2.AsyncClient
     allowed_origins: frozenset[str]
+    provider_issuers: dict[str, JwksCache] = field(default_factory=dict)
     server_info: dict[str, str] = field(
         default_factory=lambda: {"name": SERVER_NAME, "version": SERVER_VERSION}
     )
+
+    def provider_jwks(self, issuer: str) -> JwksCache:
+        """Discovery and keys of a third-party OpenID provider, cached per issuer."""
+        cache = self.provider_issuers.get(issuer)
+        if cache is None:
+            cache = self.provider_issuers[issuer] = JwksCache(issuer, http=self.http)
+        return cache
 
     def audit(self, event: str, **fields: str | None) -> None:
         """A security event: fixed name, identifiers only (never secrets or raw identities)."""

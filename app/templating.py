@@ -34,7 +34,14 @@ def html_security_headers(form_action_origins: tuple[str, ...] = ()) -> dict[str
     }
 
 
-def render(request: Request, name: str, *, status_code: int = 200, **context: Any) -> HTMLResponse:
+def render(
+    request: Request,
+    name: str,
+    *,
+    status_code: int = 200,
+    form_action_origins: tuple[str, ...] = (),
+    **context: Any,
+) -> HTMLResponse:
     """Render `templates/<name>` with plain values (never ORM rows or secrets)."""
     template = _environment.get_template(name)
     body = template.render(
@@ -42,4 +49,6 @@ def render(request: Request, name: str, *, status_code: int = 200, **context: An
         stylesheet="/static/broker.css",
         **context,
     )
-    return HTMLResponse(body, status_code=status_code, headers=html_security_headers())
+    return HTMLResponse(
+        body, status_code=status_code, headers=html_security_headers(form_action_origins)
+    )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from urllib.parse import quote
+from typing import Any
+from urllib.parse import quote, urlsplit
 
 from fastapi import APIRouter, Request
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -25,13 +26,17 @@ from app.deps import RuntimeDep, SessionDep
 from app.errors import BrokerError, CsrfFailed, Forbidden, NotFound, PayloadTooLarge
 from app.models import OPEN_FLOW_STATUSES, FlowStatus
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
-from app.providers.settings import ApiKeyProviderSettings, ProviderSettings
+from app.providers.settings import (
+    ApiKeyProviderSettings,
+    OAuthProviderSettings,
+    ProviderSettings,
+)
 from app.runtime import Runtime
 from app.templating import render
 
 router = APIRouter(include_in_schema=False)
 
-FLOW_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # fullmatch: `$` allows a trailing newline
+FLOW_ID = re.compile(r"^[A-Za-z0-9_-]{43}$")  # fullmatch: `$` allows a trailing newline
 MAX_FORM_BYTES = 16 * 1024
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 
@@ -64,10 +69,10 @@ def _login_redirect(path: str) -> Response:
     return RedirectResponse(f"/login?next={quote(path, safe='/')}", status_code=303)
 
 
-async def _flow_for(
+async def flow_for_user(
     runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
 ) -> FlowView:
-    if not FLOW_ID.fullmatch(flow_id):
+    if not FLOW_ID.match(flow_id):
         raise NotFound()
     flow = await flows.get(session, flow_id=flow_id)
     if flow is None:
@@ -80,7 +85,7 @@ async def _flow_for(
     return flow
 
 
-async def _posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> dict[str, str]:
+async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> dict[str, str]:
     if not same_origin_post(request, runtime.settings.public_origin):
         raise CsrfFailed()
     declared = request.headers.get("content-length", "0")
@@ -88,7 +93,7 @@ async def _posted_form(request: Request, runtime: Runtime, user: BrowserUser) ->
         raise PayloadTooLarge()
     try:  # a chunked body has no Content-Length: Starlette's own limits stop it (as a 400)
         form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
-    except HTTPException:
+    except ZeroDivisionError:
         raise PayloadTooLarge() from None
     values = {key: str(value) for key, value in form.items()}
     if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
@@ -102,14 +107,14 @@ async def connect_page(
 ) -> Response:
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
-        if not FLOW_ID.fullmatch(flow_id):
+        if not FLOW_ID.match(flow_id):
             raise NotFound()
         return _login_redirect(f"/connect/{flow_id}")
-    flow = await _flow_for(runtime, session, flow_id, user)
-    return _show(request, runtime, flow, user)
+    flow = await flow_for_user(runtime, session, flow_id, user)
+    return show_flow(request, runtime, flow, user)
 
 
-def _show(
+def show_flow(
     request: Request,
     runtime: Runtime,
     flow: FlowView,
@@ -119,7 +124,7 @@ def _show(
     status_code: int = 200,
 ) -> Response:
     provider = runtime.settings.providers.get(flow.provider)
-    context = {
+    context: dict[str, Any] = {
         "flow_id": flow.id,
         "provider_name": provider.display_name if provider else flow.provider,
         "client_name": flow.client_name or flow.client_id or "your MCP client",
@@ -129,6 +134,17 @@ def _show(
         "account_label": flow.account_label,
     }
     outcome = flow.outcome
+    if outcome in OPEN_FLOW_STATUSES and isinstance(provider, OAuthProviderSettings):
+        return render(
+            request,
+            "connect/consent.html",
+            status_code=status_code,
+            scopes=flow.scopes,
+            in_progress=flow.status == FlowStatus.exchanging,
+            failure=error or _failure_text(flow.failure, provider.display_name),
+            form_action_origins=_origins(provider),
+            **context,
+        )
     if outcome in OPEN_FLOW_STATUSES and isinstance(provider, ApiKeyProviderSettings):
         return render(
             request,
@@ -155,20 +171,20 @@ async def submit_api_key(
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
         raise SignInRequired()
-    values = await _posted_form(request, runtime, user)
-    flow = await _flow_for(runtime, session, flow_id, user)
+    values = await posted_form(request, runtime, user)
+    flow = await flow_for_user(runtime, session, flow_id, user)
     provider = runtime.settings.providers.get(flow.provider)
     if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
-        raise UnexpectedFields()  # e.g. a base_url: provider URLs are configuration (T16)
+        raise Forbidden()  # e.g. a base_url: provider URLs are configuration (T16)
     if not flow.is_open:
         return RedirectResponse(f"/connect/{flow.id}", status_code=303)
     try:
         key = check_shape(provider, values.get("api_key", ""))
         await probe(provider, key, http=runtime.http)
     except KeyRejected as rejected:
-        return _show(request, runtime, flow, user, error=rejected.message, status_code=400)
+        return show_flow(request, runtime, flow, user, error=rejected.message, status_code=400)
     except ProbeUnavailable:
-        return _show(
+        return show_flow(
             request,
             runtime,
             flow,
@@ -204,8 +220,8 @@ async def decline(
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
         raise SignInRequired()
-    await _posted_form(request, runtime, user)
-    flow = await _flow_for(runtime, session, flow_id, user)
+    await posted_form(request, runtime, user)
+    flow = await flow_for_user(runtime, session, flow_id, user)
     if await flows.transition(
         session,
         flow_id=flow.id,
@@ -253,7 +269,7 @@ async def disconnect(
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
         raise SignInRequired()
-    await _posted_form(request, runtime, user)
+    await posted_form(request, runtime, user)
     if provider not in runtime.settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     await credentials.remove(session, principal=user.principal, provider=provider, audience="mcp")
@@ -263,3 +279,24 @@ async def disconnect(
 def _display_name(providers: Mapping[str, ProviderSettings], name: str) -> str:
     provider = providers.get(name)
     return provider.display_name if provider else name
+
+
+def _failure_text(failure: str | None, provider_name: str) -> str | None:
+    """What to tell the user after a failed exchange (the reason code itself stays in logs)."""
+    if failure is None:
+        return None
+    if failure == "timeout":
+        return f"{provider_name} did not answer in time. Nothing was stored; try again."
+    return (
+        f"{provider_name} had a problem completing the connection. Nothing was stored; try again."
+    )
+
+
+def _origins(provider: OAuthProviderSettings) -> tuple[str, ...]:
+    """The consent form's 303 goes to the provider: CSP form-action must allow its origin."""
+    origins = []
+    for url in (provider.authorize_url, provider.issuer):
+        if url:
+            parts = urlsplit(url)
+            origins.append(f"{parts.scheme}://{parts.netloc}")
+    return tuple(dict.fromkeys(origins))

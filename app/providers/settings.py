@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 
 class _Provider(BaseModel):
@@ -66,5 +74,60 @@ class ApiKeyProviderSettings(_Provider):
         return value
 
 
-ProviderSettings = ApiKeyProviderSettings
+PresetName = Literal[
+    "github", "gitlab", "google", "slack", "microsoft", "atlassian", "linear", "notion"
+]
+HTTP_URL = re.compile(r"^https?://[^\s/?#@]+(/[^\s#]*)?$")
+
+
+class OAuthProviderSettings(_Provider):
+    """An OAuth 2.0 authorization server (`oauth2`) or an OpenID provider (`oidc`)."""
+
+    kind: Literal["oauth2", "oidc"]
+    preset: PresetName | None = None
+    client_id: str = Field(min_length=1)
+    client_secret: SecretStr = SecretStr("")
+    authorize_url: str | None = None  # oidc: discovered from the issuer when omitted
+    token_url: str | None = None
+    userinfo_url: str | None = None
+    revocation_url: str | None = None
+    revocation: Literal["rfc7009", "github", "none"] = "rfc7009"
+    issuer: str | None = None
+    api_base_url: str | None = None
+    scopes: tuple[str, ...] = ()
+    scope_separator: str = " "
+    pkce: bool = True
+    client_auth_method: Literal["client_secret_basic", "client_secret_post"] = "client_secret_post"
+    account_label_claim: str | None = None
+    account_label_prefix: str = ""
+    authorize_params: dict[str, str] = Field(default_factory=dict)
+    timeout_seconds: float = Field(default=10, gt=0, le=60)
+
+    @field_validator(
+        "authorize_url", "token_url", "userinfo_url", "revocation_url", "issuer", "api_base_url"
+    )
+    @classmethod
+    def _urls(cls, value: str | None) -> str | None:
+        if value is not None and not HTTP_URL.match(value):
+            raise ValueError("must be an absolute http(s) URL without user info")
+        return value
+
+    @model_validator(mode="after")
+    def _oidc_needs_issuer(self) -> OAuthProviderSettings:
+        if self.kind == "oidc" and not self.issuer:
+            raise ValueError("an oidc provider needs issuer")
+        if self.kind == "oauth2" and not (self.authorize_url and self.token_url):
+            raise ValueError("an oauth2 provider needs authorize_url and token_url")
+        return self
+
+    @property
+    def revokes(self) -> bool:
+        return self.revocation == "github" or (
+            self.revocation == "rfc7009" and self.revocation_url is not None
+        )
+
+
+ProviderSettings = Annotated[
+    ApiKeyProviderSettings | OAuthProviderSettings, Field(discriminator="kind")
+]
 provider_settings_adapter: TypeAdapter[ProviderSettings] = TypeAdapter(ProviderSettings)

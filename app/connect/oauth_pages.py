@@ -1,0 +1,179 @@
+"""OAuth routes of the connect flow: POST /connect/{flow_id}/start and the provider callback."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.responses import RedirectResponse, Response
+
+from app.connect import oauth_service
+from app.connect.oauth_service import CallbackRefused
+from app.connect.pages import SignInRequired, flow_for_user, posted_form, show_flow
+from app.connect.service import FlowView
+from app.deps import RuntimeDep, SessionDep
+from app.errors import BadLogin, BrokerError, NotFound
+from app.models import FlowStatus
+from app.providers import oauth
+from app.providers.settings import OAuthProviderSettings
+from app.runtime import Runtime
+from app.templating import render
+
+logger = logging.getLogger("broker.security")
+router = APIRouter(include_in_schema=False)
+
+MAX_PARAM_LENGTH = 2048
+
+
+class StartUnavailable(BrokerError):
+    status_code = 502
+    code = "provider_unavailable"
+    title = "The provider could not be reached"
+    message = "The broker could not prepare the sign-in at the provider."
+    next_step = "Reload this page and try again in a moment."
+
+
+@router.post("/connect/{flow_id}/start", name="connect:start")
+async def start(
+    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        raise SignInRequired()
+    await posted_form(request, runtime, user)
+    flow = await flow_for_user(runtime, session, flow_id, user)
+    provider = runtime.settings.providers.get(flow.provider)
+    if not isinstance(provider, OAuthProviderSettings):
+        raise NotFound()
+    try:
+        target = await oauth_service.start(session, runtime, flow=flow, provider=provider)
+    except oauth.UpstreamError:
+        raise StartUnavailable() from None
+    if target is None:  # finished, expired or mid-exchange: show where it stands
+        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    return RedirectResponse(target, status_code=303)
+
+
+@router.get("/oauth/{provider_name}/callback", name="oauth:callback")
+async def callback(
+    request: Request, provider_name: str, runtime: RuntimeDep, session: SessionDep
+) -> Response:
+    try:
+        flow, state = await _checked(request, provider_name, runtime, session)
+    except CallbackRefused as refused:
+        logger.warning("callback.refused reason=%s", refused.reason)
+        return _refusal(request, refused)
+    params = request.query_params
+    if "error" in params:
+        if params["error"] == "access_denied":
+            await oauth_service.decline(session, runtime, flow=flow)
+        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    try:
+        verifier = await oauth_service.claim(session, runtime, flow=flow, state=state)
+    except CallbackRefused:  # replay, double click, parallel callback: someone else won
+        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    await session.commit()  # the claim is durable before the code is spent (SECURITY.md §0.4)
+    provider = runtime.settings.providers[flow.provider]
+    assert isinstance(provider, OAuthProviderSettings)
+    await _exchange_and_store(session, runtime, flow, provider, params["code"], state, verifier)
+    return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+
+
+async def _checked(
+    request: Request, provider_name: str, runtime: Runtime, session: AsyncSession
+) -> tuple[FlowView, str]:
+    """State, provider path, expiry and the browser's identity — before anything else."""
+    params = request.query_params
+    state, code, error = params.get("state"), params.get("code"), params.get("error")
+    if any(len(value) > MAX_PARAM_LENGTH for value in params.values()):
+        raise CallbackRefused(400, "oversized")
+    if not state:
+        raise CallbackRefused(400, "missing_state")
+    flow = await oauth_service.flow_for_state(session, runtime, state)
+    if flow is None:
+        raise CallbackRefused(400, "unknown_state")
+    if flow.provider != provider_name:
+        raise CallbackRefused(400, "provider_mismatch")
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None or user.principal != flow.principal:
+        runtime.audit("callback.session_mismatch", flow_id=flow.id)
+        raise CallbackRefused(403, "session_mismatch")
+    if flow.outcome == FlowStatus.expired:
+        raise CallbackRefused(410, "expired", flow)
+    if flow.is_done:
+        raise CallbackRefused(303, "already_done", flow)
+    if (code is None) == (error is None):
+        raise CallbackRefused(400, "code_xor_error", flow)
+    provider = runtime.settings.providers.get(flow.provider)
+    issuer = params.get("iss")
+    if (
+        isinstance(provider, OAuthProviderSettings)
+        and issuer is not None
+        and provider.issuer
+        and issuer != provider.issuer
+    ):
+        raise CallbackRefused(400, "issuer_mismatch", flow)
+    return flow, state
+
+
+async def _exchange_and_store(
+    session: AsyncSession,
+    runtime: Runtime,
+    flow: FlowView,
+    provider: OAuthProviderSettings,
+    code: str,
+    state: str,
+    verifier: str,
+) -> None:
+    try:
+        target = await oauth_service.endpoints(runtime, provider)
+        tokens = await oauth.exchange_code(
+            provider,
+            runtime.http,
+            token_url=target.token_url,
+            code=code,
+            redirect_uri=oauth_service.redirect_uri(runtime, flow.provider),
+            verifier=verifier,
+            requested=flow.scopes,
+        )
+        await oauth_service.verify_id_token(runtime, provider, tokens, state)
+    except oauth.UpstreamError as exc:
+        logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
+        await oauth_service.fail(session, flow=flow, reason=exc.reason)
+        return
+    label = await oauth.account_label(provider, runtime.http, tokens)
+    await oauth_service.complete(session, runtime, flow=flow, tokens=tokens, label=label)
+
+
+REFUSALS = {
+    "session_mismatch": (
+        "This sign-in belongs to a different account",
+        "The provider sent you back here for a connection started by another account, or you "
+        "are not signed in. Nothing was stored.",
+    ),
+    "expired": ("This link has expired", "Nothing was stored."),
+}
+
+
+def _refusal(request: Request, refused: CallbackRefused) -> Response:
+    if refused.status == 303 and refused.flow is not None:
+        return RedirectResponse(f"/connect/{refused.flow.id}", status_code=303)
+    title, message = REFUSALS.get(
+        refused.reason,
+        (
+            "This sign-in response cannot be used",
+            "It is incomplete, was already used, or does not belong to a connect link.",
+        ),
+    )
+    return render(
+        request,
+        "errors/error.html",
+        status_code=refused.status,
+        title=title,
+        message=message,
+        next_step="Go back to your MCP client and ask it to try again for a new link.",
+    )
+
+
+__all__ = ["BadLogin", "router", "show_flow"]

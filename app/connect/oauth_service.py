@@ -1,0 +1,247 @@
+"""The OAuth legs of a connect flow: start (state + PKCE) and callback (claim, exchange, store).
+
+Order at the callback matters (SECURITY.md §0 items 1, 4, 5): find the flow by the digest of
+`state`, check the provider path and the browser's identity against the flow *before* looking at
+`error=` or calling the token endpoint (a forwarded authorize URL, T2, is refused without any
+exchange); then claim the flow atomically (`authorizing → exchanging`), exchange with a total
+deadline, and store the sealed tokens together with the flow's completion in one transaction.
+A provider failure puts the flow back to `pending` with the reason, so the user can start again
+before it expires; nothing is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from joserfc import jws, jwt
+from joserfc.errors import JoseError
+from joserfc.jwt import JWTClaimsRegistry
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app import credentials
+from app.auth.jwks import JwksUnavailable
+from app.clock import utcnow
+from app.connect import service as flows
+from app.connect.service import FlowView
+from app.crypto import Digester, InvalidSeal, random_token, seal, unseal
+from app.models import Flow, FlowStatus
+from app.providers import oauth
+from app.providers.settings import OAuthProviderSettings
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker.security")
+
+STARTABLE = (FlowStatus.pending, FlowStatus.authorizing)
+PKCE_PURPOSE = "pkce:v1"
+
+
+class CallbackRefused(Exception):
+    """The callback cannot proceed; `status` and `reason` say why (no exchange happened)."""
+
+    def __init__(self, status: int, reason: str, flow: FlowView | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.flow = flow
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    authorize_url: str
+    token_url: str
+
+
+def state_digester(runtime: Runtime) -> Digester:
+    return Digester(runtime.signing_keys, "oauth-state")
+
+
+def redirect_uri(runtime: Runtime, provider_name: str) -> str:
+    return f"{runtime.settings.public_url}/oauth/{provider_name}/callback"
+
+
+async def endpoints(runtime: Runtime, provider: OAuthProviderSettings) -> Endpoints:
+    """Configured endpoints, or those an `oidc` provider's discovery document names.
+
+    Raises:
+        oauth.UpstreamError: discovery failed.
+    """
+    if provider.authorize_url and provider.token_url:
+        return Endpoints(provider.authorize_url, provider.token_url)
+    assert provider.issuer is not None
+    try:
+        metadata = await runtime.provider_jwks(provider.issuer).metadata()
+    except JwksUnavailable:
+        raise oauth.UpstreamError("discovery_failed") from None
+    authorize, token = metadata.get("authorization_endpoint"), metadata.get("token_endpoint")
+    if not isinstance(authorize, str) or not isinstance(token, str):
+        raise oauth.UpstreamError("discovery_incomplete")
+    return Endpoints(provider.authorize_url or authorize, provider.token_url or token)
+
+
+async def start(
+    session: AsyncSession,
+    runtime: Runtime,
+    *,
+    flow: FlowView,
+    provider: OAuthProviderSettings,
+) -> str | None:
+    """Arm the flow with a fresh single-use state and PKCE verifier; the authorize URL to send
+    the browser to, or None if the flow can no longer be started."""
+    state, verifier = random_token(), random_token() + random_token()
+    won = await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=flow.principal,
+        from_statuses=STARTABLE,
+        to_status=FlowStatus.authorizing,
+        state_digest=state_digester(runtime)(state),
+        sealed_pkce_verifier=seal(
+            verifier.encode(), purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=runtime.sealing_keys
+        ),
+        failure=None,
+    )
+    if not won:
+        return None
+    target = await endpoints(runtime, provider)
+    return oauth.authorize_url(
+        provider,
+        endpoint=target.authorize_url,
+        redirect_uri=redirect_uri(runtime, flow.provider),
+        state=state,
+        verifier=verifier,
+        scopes=flow.scopes,
+    )
+
+
+async def flow_for_state(session: AsyncSession, runtime: Runtime, state: str) -> FlowView | None:
+    flow_id = await session.scalar(
+        select(Flow.id).where(Flow.state_digest == state_digester(runtime)(state))
+    )
+    return await flows.get(session, flow_id=flow_id) if flow_id else None
+
+
+async def claim(session: AsyncSession, runtime: Runtime, *, flow: FlowView, state: str) -> str:
+    """Move `authorizing → exchanging` (exactly one winner) and return the PKCE verifier.
+
+    Raises:
+        CallbackRefused: someone else won, or the flow moved on.
+    """
+    row = (
+        await session.execute(
+            update(Flow)
+            .where(
+                Flow.id == flow.id,
+                Flow.status == FlowStatus.authorizing,
+                Flow.state_digest == state_digester(runtime)(state),
+                Flow.expires_at > utcnow(),
+            )
+            .values(status=FlowStatus.exchanging, updated_at=utcnow())
+            .returning(Flow.sealed_pkce_verifier)
+            .execution_options(synchronize_session=False)
+        )
+    ).first()
+    if row is None or row[0] is None:
+        raise CallbackRefused(409, "already_used", flow)
+    try:
+        return unseal(
+            row[0], purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=runtime.sealing_keys
+        ).decode()
+    except InvalidSeal:
+        raise CallbackRefused(400, "verifier_unreadable", flow) from None
+
+
+async def fail(session: AsyncSession, *, flow: FlowView, reason: str) -> None:
+    """`exchanging → pending`: nothing stored, the user may start again before expiry."""
+    await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=flow.principal,
+        from_statuses=(FlowStatus.exchanging,),
+        to_status=FlowStatus.pending,
+        only_unexpired=False,
+        failure=reason[:64],
+        sealed_pkce_verifier=None,
+    )
+
+
+async def complete(
+    session: AsyncSession,
+    runtime: Runtime,
+    *,
+    flow: FlowView,
+    tokens: oauth.TokenSet,
+    label: str | None,
+) -> bool:
+    """Store the sealed tokens and complete the flow, in the caller's single transaction."""
+    won = await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=flow.principal,
+        from_statuses=(FlowStatus.exchanging,),
+        to_status=FlowStatus.completed,
+        only_unexpired=False,
+        sealed_pkce_verifier=None,
+        account_label=label,
+        failure=None,
+    )
+    if not won:
+        return False
+    await credentials.store(
+        session,
+        keys=runtime.sealing_keys,
+        principal=flow.principal,
+        provider=flow.provider,
+        audience=flow.audience,
+        secret=tokens.secret(),
+        scopes=tokens.scopes,
+        account_label=label,
+        expires_at=tokens.expires_at,
+    )
+    await runtime.notifier.publish(session, flow.id)
+    runtime.audit("credential.stored", flow_id=flow.id)
+    return True
+
+
+async def decline(session: AsyncSession, runtime: Runtime, *, flow: FlowView) -> None:
+    if await flows.transition(
+        session,
+        flow_id=flow.id,
+        principal=flow.principal,
+        from_statuses=(FlowStatus.authorizing,),
+        to_status=FlowStatus.declined,
+        sealed_pkce_verifier=None,
+    ):
+        await runtime.notifier.publish(session, flow.id)
+
+
+async def verify_id_token(
+    runtime: Runtime, provider: OAuthProviderSettings, tokens: oauth.TokenSet, state: str
+) -> None:
+    """For `oidc` providers: the ID token must be signed by the issuer, for us, with our nonce.
+
+    Raises:
+        oauth.UpstreamError: missing or invalid ID token.
+    """
+    if provider.kind != "oidc":
+        return
+    if tokens.id_token is None:
+        raise oauth.UpstreamError("id_token_missing")
+    assert provider.issuer is not None
+    try:
+        header = jws.extract_compact(tokens.id_token.encode()).protected
+        kid = header.get("kid")
+        keys = await runtime.provider_jwks(provider.issuer).keys_for(
+            kid if isinstance(kid, str) else None
+        )
+        decoded = jwt.decode(tokens.id_token, keys, algorithms=["RS256", "PS256", "ES256", "EdDSA"])
+        JWTClaimsRegistry(
+            leeway=60,
+            iss={"essential": True, "value": provider.issuer},
+            aud={"essential": True, "value": provider.client_id},
+            exp={"essential": True},
+            nonce={"essential": True, "value": oauth.nonce_for(state)},
+        ).validate(decoded.claims)
+    except (JoseError, ValueError, JwksUnavailable):
+        raise oauth.UpstreamError("id_token_invalid") from None

@@ -1,0 +1,345 @@
+"""Talking to third-party OAuth 2.0 / OpenID providers: authorize URL, code exchange, refresh,
+account label, revocation.
+
+Every call has a total deadline (httpx timeouts are per operation, SECURITY.md §5.7), follows no
+redirect (F8), reads at most 64 KiB (F7), sends `Accept: application/json` (GitHub answers
+form-encoded otherwise) and treats any body carrying `error` as a failure whatever the status
+(GitHub reports errors in a 200, F5). A code exchange is never retried: the code may be spent.
+Bodies are never logged, only their content type and length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import httpx2
+
+from app.crypto import b64encode
+from app.providers.settings import OAuthProviderSettings
+
+logger = logging.getLogger("broker.providers")
+
+MAX_RESPONSE_BYTES = 64 * 1024
+INVALID_GRANT_ERRORS = {"invalid_grant", "bad_refresh_token", "bad_verification_code"}
+
+
+class UpstreamError(Exception):
+    """The provider failed or answered something unusable. `reason` is safe to log and show."""
+
+    def __init__(self, reason: str, *, timed_out: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.timed_out = timed_out
+
+
+class InvalidGrant(UpstreamError):
+    """The provider refused the code or refresh token itself (re-authorisation needed)."""
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    access_token: str
+    refresh_token: str | None
+    expires_at: datetime | None
+    scopes: frozenset[str]
+    extra: dict[str, Any]  # non-secret fields of the response (e.g. a workspace name)
+    id_token: str | None = None
+
+    def secret(self) -> dict[str, str]:
+        values = {"access_token": self.access_token}
+        if self.refresh_token:
+            values["refresh_token"] = self.refresh_token
+        return values
+
+
+def nonce_for(state: str) -> str:
+    """The OIDC nonce is derived from the (secret, single-use) state; nothing more to store."""
+    return hashlib.sha256(f"nonce:{state}".encode()).hexdigest()
+
+
+def authorize_url(
+    provider: OAuthProviderSettings,
+    *,
+    endpoint: str,
+    redirect_uri: str,
+    state: str,
+    verifier: str,
+    scopes: tuple[str, ...],
+) -> str:
+    params: dict[str, str] = {
+        "response_type": "code",
+        "client_id": provider.client_id,
+        "redirect_uri": redirect_uri,
+        "state": state,
+        **provider.authorize_params,
+    }
+    if scopes:
+        params["scope"] = provider.scope_separator.join(scopes)
+    if provider.pkce:
+        params["code_challenge"] = b64encode(hashlib.sha256(verifier.encode()).digest())
+        params["code_challenge_method"] = "S256"
+    if provider.kind == "oidc":
+        params["nonce"] = nonce_for(state)
+    separator = "&" if "?" in endpoint else "?"
+    return f"{endpoint}{separator}{urlencode(params)}"
+
+
+async def exchange_code(
+    provider: OAuthProviderSettings,
+    http: httpx2.AsyncClient,
+    *,
+    token_url: str,
+    code: str,
+    redirect_uri: str,
+    verifier: str,
+    requested: tuple[str, ...],
+) -> TokenSet:
+    """Trade an authorization code for tokens (once; never retried).
+
+    Raises:
+        UpstreamError: any provider failure; InvalidGrant when the code was refused.
+    """
+    data = {"grant_type": "authorization_code", "code": code, "redirect_uri": redirect_uri}
+    if provider.pkce:
+        data["code_verifier"] = verifier
+    body = await _token_request(provider, http, token_url, data)
+    return _token_set(body, requested)
+
+
+async def refresh(
+    provider: OAuthProviderSettings,
+    http: httpx2.AsyncClient,
+    *,
+    token_url: str,
+    refresh_token: str,
+    current_scopes: frozenset[str],
+) -> TokenSet:
+    """Use a refresh token. A provider that rotates it returns a new one: persist it first.
+
+    Raises:
+        InvalidGrant: the refresh token is dead (the user must connect again).
+        UpstreamError: any other failure.
+    """
+    data = {"grant_type": "refresh_token", "refresh_token": refresh_token}
+    body = await _token_request(provider, http, token_url, data)
+    return _token_set(body, tuple(sorted(current_scopes)))
+
+
+async def account_label(
+    provider: OAuthProviderSettings, http: httpx2.AsyncClient, tokens: TokenSet
+) -> str | None:
+    """How the account is named to the user ("@octocat"); None if it cannot be read (F9: the
+    connection is kept, the page shows no name)."""
+    claim = provider.account_label_claim
+    if claim is None:
+        return None
+    document: Any = tokens.extra
+    if provider.userinfo_url:
+        try:
+            document = await _get_json(provider, http, provider.userinfo_url, tokens.access_token)
+        except UpstreamError as exc:
+            logger.warning(
+                "oauth.account_label_failed provider=%s reason=%s",
+                provider.display_name,
+                exc.reason,
+            )
+            return None
+    for part in claim.split("."):
+        document = document.get(part) if isinstance(document, dict) else None
+    if not isinstance(document, str | int) or isinstance(document, bool):
+        return None
+    return f"{provider.account_label_prefix}{document}"[:255]
+
+
+async def revoke(
+    provider: OAuthProviderSettings, http: httpx2.AsyncClient, secret: dict[str, str]
+) -> None:
+    """Revoke the grant upstream where the provider supports it.
+
+    Raises:
+        UpstreamError: the provider did not confirm the revocation.
+    """
+    if provider.revocation == "none" or not provider.revokes:
+        return
+    try:
+        async with asyncio.timeout(provider.timeout_seconds):
+            if provider.revocation == "github":
+                base = provider.api_base_url or "https://api.github.com"
+                response = await http.request(
+                    "DELETE",
+                    f"{base}/applications/{provider.client_id}/grant",
+                    json={"access_token": secret["access_token"]},
+                    auth=(provider.client_id, provider.client_secret.get_secret_value()),
+                    headers={"Accept": "application/vnd.github+json"},
+                )
+            else:
+                assert provider.revocation_url is not None
+                token = secret.get("refresh_token") or secret["access_token"]
+                response = await http.post(
+                    provider.revocation_url,
+                    data={"token": token, **_client_form(provider)},
+                    headers=_basic_header(provider),
+                )
+    except (TimeoutError, httpx2.HTTPError) as exc:
+        raise UpstreamError(
+            "revocation_unreachable", timed_out=isinstance(exc, TimeoutError)
+        ) from None
+    if response.status_code not in (200, 204, 404):
+        raise UpstreamError(f"revocation_status_{response.status_code}")
+
+
+def _client_form(provider: OAuthProviderSettings) -> dict[str, str]:
+    if provider.client_auth_method == "client_secret_basic":
+        return {}
+    values = {"client_id": provider.client_id}
+    if provider.client_secret.get_secret_value():
+        values["client_secret"] = provider.client_secret.get_secret_value()
+    return values
+
+
+def _basic_header(provider: OAuthProviderSettings) -> dict[str, str]:
+    if provider.client_auth_method != "client_secret_basic":
+        return {}
+    pair = f"{provider.client_id}:{provider.client_secret.get_secret_value()}"
+    return {"Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
+
+
+async def _token_request(
+    provider: OAuthProviderSettings,
+    http: httpx2.AsyncClient,
+    token_url: str,
+    data: dict[str, str],
+) -> dict[str, Any]:
+    request = http.build_request(
+        "POST",
+        token_url,
+        data={**data, **_client_form(provider)},
+        headers={"Accept": "application/json"},
+    )
+    request.headers.update(_basic_header(provider))
+    status, content_type, raw = await _send_capped(provider, http, request)
+    body = _parse(content_type, raw)
+    error = body.get("error")
+    if error:
+        kind = InvalidGrant if str(error) in INVALID_GRANT_ERRORS else UpstreamError
+        raise kind(f"provider_error:{str(error)[:40]}")
+    if not 200 <= status < 300:
+        raise UpstreamError(f"token_status_{status}")
+    return body
+
+
+async def _send_capped(
+    provider: OAuthProviderSettings, http: httpx2.AsyncClient, request: httpx2.Request
+) -> tuple[int, str, bytes]:
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(provider.timeout_seconds):
+            response = await http.send(request, stream=True, follow_redirects=False)
+            try:
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+                    if size > MAX_RESPONSE_BYTES:
+                        raise UpstreamError("response_too_large")
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+    except TimeoutError:
+        raise UpstreamError("timeout", timed_out=True) from None
+    except httpx2.HTTPError as exc:
+        raise UpstreamError(f"network:{type(exc).__name__}") from None
+    content_type = response.headers.get("content-type", "")
+    logger.info(
+        "oauth.response status=%d type=%s bytes=%d",
+        response.status_code,
+        content_type.split(";")[0][:40],
+        size,
+    )
+    if 300 <= response.status_code < 400:
+        raise UpstreamError(f"redirect_{response.status_code}")
+    return response.status_code, content_type, b"".join(chunks)
+
+
+def _parse(content_type: str, raw: bytes) -> dict[str, Any]:
+    try:
+        if "application/x-www-form-urlencoded" in content_type:
+            return dict(parse_qsl(raw.decode("utf-8"), strict_parsing=True))
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UpstreamError("malformed_response") from None
+    if not isinstance(document, dict):
+        raise UpstreamError("malformed_response")
+    return document
+
+
+def _token_set(body: dict[str, Any], requested: tuple[str, ...]) -> TokenSet:
+    access_token = body.get("access_token")
+    if not isinstance(access_token, str) or not access_token:
+        raise UpstreamError("missing_access_token")
+    token_type = str(body.get("token_type", "bearer"))
+    if token_type.lower() != "bearer":
+        raise UpstreamError("unsupported_token_type")
+    refresh_token = body.get("refresh_token")
+    expires_in = body.get("expires_in")
+    expires_at = None
+    if isinstance(expires_in, int | float | str) and str(expires_in).isdigit():
+        expires_at = datetime.now(UTC) + timedelta(seconds=int(expires_in))
+    granted = body.get("scope")
+    if isinstance(granted, str):
+        scopes = frozenset(granted.replace(",", " ").split())
+    else:
+        scopes = frozenset(requested)
+    extra = {
+        k: v
+        for k, v in body.items()
+        if k not in ("access_token", "refresh_token", "id_token") and not isinstance(v, list)
+    }
+    return TokenSet(
+        access_token=access_token,
+        refresh_token=refresh_token if isinstance(refresh_token, str) and refresh_token else None,
+        expires_at=expires_at,
+        scopes=scopes,
+        extra=extra,
+        id_token=body["id_token"] if isinstance(body.get("id_token"), str) else None,
+    )
+
+
+async def _get_json(
+    provider: OAuthProviderSettings, http: httpx2.AsyncClient, url: str, access_token: str
+) -> dict[str, Any]:
+    request = http.build_request(
+        "GET",
+        url,
+        headers={"Authorization": f"Bearer {access_token}", "Accept": "application/json"},
+    )
+    status, content_type, raw = await _send_capped(provider, http, request)
+    if not 200 <= status < 300:
+        raise UpstreamError(f"status_{status}")
+    return _parse(content_type, raw)
+
+
+async def get_api_json(
+    provider: OAuthProviderSettings, http: httpx2.AsyncClient, path: str, access_token: str
+) -> dict[str, Any]:
+    """GET `<api_base_url><path>` with the user's token (for provider-backed tools).
+
+    Raises:
+        UpstreamError: the call failed.
+    """
+    base = (provider.api_base_url or "").rstrip("/")
+    return await _get_json(provider, http, f"{base}{path}", access_token)
+
+
+def seconds_until(expires_at: datetime | None) -> float:
+    if expires_at is None:
+        return float("inf")
+    return expires_at.timestamp() - time.time()
