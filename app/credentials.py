@@ -96,39 +96,82 @@ async def store(
     )
 
 
-async def load(
-    session: AsyncSession, *, keys: Keyring, principal: Principal, provider: str, audience: str
-) -> Credential | None:
-    """The usable credential, or None when absent, needing re-authorisation or unreadable."""
-    row = (
-        await session.execute(
-            select(Connection).where(
-                Connection.issuer == principal.issuer,
-                Connection.subject == principal.subject,
-                Connection.provider == provider,
-                Connection.audience == audience,
-            )
-        )
-    ).scalar_one_or_none()
-    if row is None or row.status != ConnectionStatus.active:
-        return None
+async def find(
+    session: AsyncSession,
+    *,
+    principal: Principal,
+    provider: str,
+    audience: str,
+    for_update: bool = False,
+) -> Connection | None:
+    """The connection row (`for_update` locks it on PostgreSQL until the transaction ends)."""
+    statement = select(Connection).where(
+        Connection.issuer == principal.issuer,
+        Connection.subject == principal.subject,
+        Connection.provider == provider,
+        Connection.audience == audience,
+    )
+    if for_update:
+        statement = statement.with_for_update()
+    return (await session.execute(statement)).scalar_one_or_none()
+
+
+def open_row(row: Connection, *, keys: Keyring) -> dict[str, str] | None:
+    """The row's secret fields, or None (logged) when no configured key opens them."""
+    principal = Principal(row.issuer, row.subject)
     try:
         secret = json.loads(
             unseal(
                 row.sealed_credential,
-                purpose=_purpose(principal, provider, audience),
+                purpose=_purpose(principal, row.provider, row.audience),
                 keys=keys,
             )
         )
-    except InvalidSeal:
-        logger.warning("credential.decrypt_failed provider=%s connection=%s", provider, row.id)
+    except (InvalidSeal, ValueError):
+        logger.warning("credential.decrypt_failed provider=%s connection=%s", row.provider, row.id)
         return None
+    return secret if isinstance(secret, dict) else None
+
+
+def as_credential(row: Connection, secret: dict[str, str]) -> Credential:
     return Credential(
-        provider=provider,
+        provider=row.provider,
         secret=str(secret.get("api_key") or secret.get("access_token") or ""),
         account_label=row.account_label,
         scopes=frozenset(row.scopes.split()),
     )
+
+
+async def load(
+    session: AsyncSession, *, keys: Keyring, principal: Principal, provider: str, audience: str
+) -> Credential | None:
+    """The stored credential, or None when absent, needing re-authorisation or unreadable."""
+    row = await find(session, principal=principal, provider=provider, audience=audience)
+    if row is None or row.status != ConnectionStatus.active:
+        return None
+    secret = open_row(row, keys=keys)
+    return as_credential(row, secret) if secret is not None else None
+
+
+def replace_tokens(
+    row: Connection,
+    *,
+    keys: Keyring,
+    secret: dict[str, str],
+    scopes: frozenset[str],
+    expires_at: datetime | None,
+) -> None:
+    """Re-seal a refreshed token set into its (locked) row; committed by the caller."""
+    principal = Principal(row.issuer, row.subject)
+    row.sealed_credential = seal(
+        json.dumps(secret).encode(),
+        purpose=_purpose(principal, row.provider, row.audience),
+        keys=keys,
+    )
+    row.key_id = sealed_key_id(row.sealed_credential)
+    row.scopes = " ".join(sorted(scopes))
+    row.expires_at = expires_at
+    row.updated_at = utcnow()
 
 
 async def list_for(

@@ -35,6 +35,7 @@ from app.errors import (
 )
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import mcp_endpoint, method_not_allowed
+from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
 from app.middleware import AccessLog, HostGuard
@@ -110,6 +111,7 @@ def create_app(
     registry = registry if registry is not None else ToolRegistry()
     runtime = build_runtime(settings, registry)
     register_broker_tools(registry, runtime)
+    register_provider_tools(registry, runtime)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

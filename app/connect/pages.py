@@ -36,7 +36,7 @@ from app.templating import render
 
 router = APIRouter(include_in_schema=False)
 
-FLOW_ID = re.compile(r"^[A-Za-z0-9_-]{43}$")  # fullmatch: `$` allows a trailing newline
+FLOW_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # fullmatch: `$` allows a trailing newline
 MAX_FORM_BYTES = 16 * 1024
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 
@@ -72,7 +72,7 @@ def _login_redirect(path: str) -> Response:
 async def flow_for_user(
     runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
 ) -> FlowView:
-    if not FLOW_ID.match(flow_id):
+    if not FLOW_ID.fullmatch(flow_id):
         raise NotFound()
     flow = await flows.get(session, flow_id=flow_id)
     if flow is None:
@@ -93,7 +93,7 @@ async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> 
         raise PayloadTooLarge()
     try:  # a chunked body has no Content-Length: Starlette's own limits stop it (as a 400)
         form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
-    except ZeroDivisionError:
+    except HTTPException:
         raise PayloadTooLarge() from None
     values = {key: str(value) for key, value in form.items()}
     if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
@@ -107,7 +107,7 @@ async def connect_page(
 ) -> Response:
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
-        if not FLOW_ID.match(flow_id):
+        if not FLOW_ID.fullmatch(flow_id):
             raise NotFound()
         return _login_redirect(f"/connect/{flow_id}")
     flow = await flow_for_user(runtime, session, flow_id, user)
@@ -175,7 +175,7 @@ async def submit_api_key(
     flow = await flow_for_user(runtime, session, flow_id, user)
     provider = runtime.settings.providers.get(flow.provider)
     if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
-        raise Forbidden()  # e.g. a base_url: provider URLs are configuration (T16)
+        raise UnexpectedFields()  # e.g. a base_url: provider URLs are configuration (T16)
     if not flow.is_open:
         return RedirectResponse(f"/connect/{flow.id}", status_code=303)
     try:

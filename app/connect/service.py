@@ -24,6 +24,7 @@ from app.models import DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
 
 MAX_OPEN_FLOWS_PER_USER = 20
 PURGE_AFTER = timedelta(days=1)
+EXCHANGE_LEASE = timedelta(seconds=60)
 
 
 class TooManyOpenFlows(Exception):
@@ -211,6 +212,18 @@ async def purge(session: AsyncSession) -> tuple[int, int]:
         .where(Flow.status.in_(OPEN_FLOW_STATUSES), Flow.expires_at <= now)
         .values(
             status=FlowStatus.expired, updated_at=now, state_digest=None, sealed_pkce_verifier=None
+        )
+        .execution_options(synchronize_session=False)
+    )
+    # a process that died mid-exchange leaves `exchanging`: after the lease, let the user retry
+    await session.execute(
+        update(Flow)
+        .where(Flow.status == FlowStatus.exchanging, Flow.updated_at <= now - EXCHANGE_LEASE)
+        .values(
+            status=FlowStatus.pending,
+            updated_at=now,
+            failure="interrupted",
+            sealed_pkce_verifier=None,
         )
         .execution_options(synchronize_session=False)
     )

@@ -16,9 +16,9 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from app import credentials
 from app.auth.principal import McpCaller
 from app.connect import service as flows
+from app.connect.refresh import usable_credential
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.credentials import Credential
 from app.mcp.envelope import Message, check_param_headers
@@ -32,6 +32,7 @@ from app.mcp.registry import (
 )
 from app.mcp.request_state import StatePayload, arguments_digest
 from app.models import FlowStatus
+from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.runtime import Runtime
 
 ACTIONS = ("accept", "decline", "cancel")
@@ -51,16 +52,16 @@ class BrokerConnections:
         self._audience = audience
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        async with self._runtime.sessionmaker() as session:
-            credential = await credentials.load(
-                session,
-                keys=self._runtime.sealing_keys,
-                principal=self._caller.principal,
-                provider=provider,
-                audience=self._audience,
-            )
-        if credential is None or not set(scopes) <= credential.scopes:
+        credential = await usable_credential(
+            self._runtime,
+            principal=self._caller.principal,
+            provider=provider,
+            audience=self._audience,
+        )
+        if credential is None:
             raise ConnectionRequired(provider, scopes)
+        if not set(scopes) <= credential.scopes:  # step-up: ask for what it has and more
+            raise ConnectionRequired(provider, tuple(sorted(credential.scopes | set(scopes))))
         return credential
 
 
@@ -170,7 +171,7 @@ class CallToolRound:
                     caller=self.caller,
                     client_name=self.client_name,
                     provider=need.provider,
-                    scopes=need.scopes,
+                    scopes=_requested_scopes(provider, need.scopes),
                     tool_name=self.tool.name,
                     args_digest=self.digest,
                     ttl_seconds=self.runtime.settings.server.flow_ttl_seconds,
@@ -273,3 +274,10 @@ def _input_responses(params: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise invalid_params(f"inputResponses.{key!s:.64} must be an object")
     return responses
+
+
+def _requested_scopes(provider: ProviderSettings, wanted: tuple[str, ...]) -> tuple[str, ...]:
+    """An OAuth flow asks for the provider's default scopes plus what the tool needs."""
+    if not isinstance(provider, OAuthProviderSettings):
+        return ()
+    return tuple(dict.fromkeys((*provider.scopes, *wanted)))

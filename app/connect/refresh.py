@@ -1,0 +1,110 @@
+"""Usable credentials: refresh OAuth access tokens shortly before they expire.
+
+One refresh at a time per connection across all processes: the connection row is locked
+(`SELECT … FOR UPDATE` on PostgreSQL; SQLite is single-process, so an in-process lock suffices),
+and the expiry is re-checked once the lock is held, so a process that waited uses the token the
+winner stored. A rotated refresh token is committed before the new access token is handed out.
+A refresh the provider rejects (`invalid_grant`) marks the connection `needs_reauth`; the next
+tool call then elicits a new connect flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from datetime import timedelta
+
+from app import credentials
+from app.auth.principal import Principal
+from app.clock import utcnow
+from app.connect import oauth_service
+from app.credentials import Credential
+from app.models import Connection, ConnectionStatus
+from app.providers import oauth
+from app.providers.settings import OAuthProviderSettings
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker.providers")
+
+REFRESH_MARGIN = timedelta(minutes=5)
+_process_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+def _due(row: Connection, secret: dict[str, str]) -> bool:
+    return (
+        row.expires_at is not None
+        and "refresh_token" in secret
+        and row.expires_at - utcnow() < REFRESH_MARGIN
+    )
+
+
+async def usable_credential(
+    runtime: Runtime, *, principal: Principal, provider: str, audience: str
+) -> Credential | None:
+    """The caller's credential, refreshed first when it expires within five minutes."""
+    async with runtime.sessionmaker() as session:
+        row = await credentials.find(
+            session, principal=principal, provider=provider, audience=audience
+        )
+        if row is None or row.status != ConnectionStatus.active:
+            return None
+        secret = credentials.open_row(row, keys=runtime.sealing_keys)
+    if secret is None:
+        return None
+    settings = runtime.settings.providers.get(provider)
+    if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
+        return credentials.as_credential(row, secret)
+    async with _process_locks[row.id]:
+        return await _refresh(
+            runtime, settings, principal=principal, provider=provider, audience=audience
+        )
+
+
+async def _refresh(
+    runtime: Runtime,
+    settings: OAuthProviderSettings,
+    *,
+    principal: Principal,
+    provider: str,
+    audience: str,
+) -> Credential | None:
+    async with runtime.sessionmaker.begin() as session:
+        row = await credentials.find(
+            session, principal=principal, provider=provider, audience=audience, for_update=True
+        )
+        if row is None or row.status != ConnectionStatus.active:
+            return None
+        secret = credentials.open_row(row, keys=runtime.sealing_keys)
+        if secret is None:
+            return None
+        if not _due(row, secret):  # another process refreshed while we waited for the lock
+            return credentials.as_credential(row, secret)
+        try:
+            target = await oauth_service.endpoints(runtime, settings)
+            tokens = await oauth.refresh(
+                settings,
+                runtime.http,
+                token_url=target.token_url,
+                refresh_token=secret["refresh_token"],
+                current_scopes=frozenset(row.scopes.split()),
+            )
+        except oauth.InvalidGrant:
+            row.status = ConnectionStatus.needs_reauth
+            row.updated_at = utcnow()
+            runtime.audit("credential.refresh_rejected", provider=provider)
+            return None
+        except oauth.UpstreamError as exc:
+            logger.warning("oauth.refresh_failed provider=%s reason=%s", provider, exc.reason)
+            still_valid = row.expires_at is not None and row.expires_at > utcnow()
+            return credentials.as_credential(row, secret) if still_valid else None
+        new_secret = {**secret, **tokens.secret()}
+        credentials.replace_tokens(
+            row,
+            keys=runtime.sealing_keys,
+            secret=new_secret,
+            scopes=tokens.scopes,
+            expires_at=tokens.expires_at,
+        )
+        credential = credentials.as_credential(row, new_secret)
+    return credential  # returned only after the commit above
