@@ -300,9 +300,17 @@ def _parse(model: type[_Section], values: dict[str, Any], name: str) -> Any:
         raise ConfigError(_describe(exc, name)) from None
 
 
+PROVIDER_KINDS = ("api_key", "oauth2", "oidc")  # pydantic puts the union tag first in `loc`
+
+
 def _describe(exc: ValidationError, prefix: str) -> str:
     error = exc.errors()[0]
-    location = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
+    parts = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    if prefix.startswith("providers.") and parts and parts[0] in PROVIDER_KINDS:
+        parts = parts[1:]
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        parts, error["msg"] = ["kind"], "must be one of api_key, oauth2, oidc"
+    location = ".".join(parts)
     key = f"{prefix}.{location}" if location else prefix
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":

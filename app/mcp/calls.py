@@ -132,12 +132,23 @@ class CallToolRound:
         if isinstance(outcome, ToolResult):
             return outcome.to_wire()
         for key, request in outcome.requests.items():
-            capability = CAPABILITY_FOR_METHOD.get(str(request.get("method")))
-            if capability is None:
-                raise ValueError(f"input request {key!r} has an unsupported method")
-            if capability not in self.message.capabilities:  # MRTR server rule 7
-                raise missing_capability({capability: {}})
+            self._check_declared(key, request)
         return self._input_required(outcome.requests, data=outcome.state)
+
+    def _check_declared(self, key: str, request: dict[str, Any]) -> None:
+        """MRTR server rule 7: only ask for what this request's capabilities declare; for
+        elicitation also the mode (an empty `elicitation` object means form only)."""
+        method = request.get("method")
+        capability = CAPABILITY_FOR_METHOD.get(str(method))
+        if capability is None:
+            raise ValueError(f"input request {key!r} has an unsupported method")
+        declared = self.message.capabilities.get(capability)
+        if not isinstance(declared, dict):
+            raise missing_capability({capability: {}})
+        if method == "elicitation/create":
+            mode = (request.get("params") or {}).get("mode", "form")
+            if mode not in (declared or {"form": {}}):
+                raise missing_capability({"elicitation": {mode: {}}})
 
     def _input_required(
         self,
@@ -162,7 +173,8 @@ class CallToolRound:
         provider = self.runtime.settings.providers.get(need.provider)
         if provider is None:
             return ToolResult(text=f"Unknown provider: {need.provider}", is_error=True).to_wire()
-        if "url" not in (self.message.capabilities.get("elicitation") or {}):
+        elicitation = self.message.capabilities.get("elicitation")
+        if not isinstance(elicitation, dict) or not isinstance(elicitation.get("url"), dict):
             raise missing_capability({"elicitation": {"url": {}}})
         try:
             async with self.runtime.sessionmaker.begin() as session:

@@ -99,6 +99,10 @@ async def mcp_endpoint(request: Request) -> Response:
             headers={"Retry-After": "5"},
         )
         return _error(unavailable, message.id if message else None)
+    except Exception:  # a bug: still answer in JSON-RPC, never with a page or a stack trace
+        logger.exception("mcp.internal_error")
+        failure = JsonRpcError(INTERNAL_ERROR, "Internal error", http_status=500)
+        return _error(failure, message.id if message else None)
     result["_meta"] = {META_SERVER_INFO: runtime.server_info}
     return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
 
