@@ -131,12 +131,17 @@ async def on_database_error(request: Request, exc: Exception) -> Response:
     return response
 
 
+class InternalError(BrokerError):
+    status_code = 500
+    code = "internal_error"
+    title = "Something went wrong"
+    message = "An unexpected error occurred; it has been logged with the reference below."
+    next_step = "Try again; if it keeps happening, tell your administrator the reference."
+
+
 async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error rid=%s", getattr(request.state, "request_id", ""))
-    error = BrokerError("An unexpected error occurred; it has been logged.")
-    response = render_error(request, error)
-    response.status_code = 500
-    return response
+    return render_error(request, InternalError())
 
 
 # connection failures surface as OSError subclasses before SQLAlchemy can wrap them

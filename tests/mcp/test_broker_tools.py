@@ -22,7 +22,7 @@ FORM_ONLY: dict[str, Any] = {"elicitation": {"form": {}}}
 
 
 def fresh_user(label: str) -> str:
-    """A subject no earlier run used (the SQLite test database outlives a run)."""
+    """A subject of its own, so row counts see only this test (the session DB is shared)."""
     return f"{label}-{secrets.token_hex(4)}"
 
 
