@@ -18,6 +18,7 @@ from app.db import create_engine
 
 from .support.broker import BrokerConfig, BrokerProcess, running_broker
 from .support.clients import Browser, McpHttp
+from .support.fake_github import FakeGitHub
 from .support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
 
 ARTIFACTS = Path(os.environ.get("BROKER_TEST_ARTIFACTS", "test-artifacts")).resolve()
@@ -61,8 +62,69 @@ def idp(workdir: Path, broker_port: int) -> Iterator[IdpProcess]:
 
 
 @pytest.fixture(scope="session")
-def broker_config(idp: IdpProcess, broker_port: int) -> BrokerConfig:
-    return BrokerConfig(issuer=idp.issuer, port=broker_port, providers={"demo": DEMO_PROVIDER})
+def fake_github(broker_port: int) -> Iterator[FakeGitHub]:
+    """The third-party boundary for the GitHub preset (tests/support/fake_github.py)."""
+    with FakeGitHub(redirect_uri=f"http://127.0.0.1:{broker_port}/oauth/github/callback") as fake:
+        yield fake
+
+
+@pytest.fixture(scope="session")
+def provider_idp(workdir: Path, broker_port: int) -> Iterator[IdpProcess]:
+    """A second, unrelated oidc-provider playing a generic OpenID provider ("acme")."""
+    config = IdpConfig(
+        cookie_prefix="acme",
+        clients=[
+            client_metadata(
+                "broker-acme",
+                [f"http://127.0.0.1:{broker_port}/oauth/acme/callback"],
+                client_secret="acme-client-secret",
+            )
+        ],
+    )
+    with running_idp(config, workdir) as process:
+        yield process
+
+
+def github_provider(fake: FakeGitHub) -> dict[str, Any]:
+    return {
+        "kind": "oauth2",
+        "preset": "github",
+        "client_id": fake.client_id,
+        "client_secret": fake.client_secret,
+        "authorize_url": fake.authorize_url,
+        "token_url": fake.token_url,
+        "userinfo_url": f"{fake.url}/user",
+        "api_base_url": fake.url,
+    }
+
+
+def acme_provider(provider_idp: IdpProcess) -> dict[str, Any]:
+    return {
+        "kind": "oidc",
+        "display_name": "Acme",
+        "issuer": provider_idp.issuer,
+        "client_id": "broker-acme",
+        "client_secret": "acme-client-secret",
+        "client_auth_method": "client_secret_basic",
+        "scopes": ["openid", "profile"],
+        "userinfo_url": f"{provider_idp.issuer}/me",
+        "account_label_claim": "sub",
+    }
+
+
+@pytest.fixture(scope="session")
+def broker_config(
+    idp: IdpProcess, broker_port: int, fake_github: FakeGitHub, provider_idp: IdpProcess
+) -> BrokerConfig:
+    return BrokerConfig(
+        issuer=idp.issuer,
+        port=broker_port,
+        providers={
+            "demo": DEMO_PROVIDER,
+            "github": github_provider(fake_github),
+            "acme": acme_provider(provider_idp),
+        },
+    )
 
 
 @pytest.fixture(scope="session")
