@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -95,6 +95,13 @@ class KeySettings(_Section):
         return value
 
 
+class ServiceSettings(_Section):
+    """`[services.<name>]`: what a registered sibling server may read beyond its own."""
+
+    share_from: tuple[str, ...] = ()  # audiences ("mcp" or service names) it may also read
+    display_name: str | None = None
+
+
 @dataclass(frozen=True)
 class Settings:
     """The validated configuration. Built once at start-up and never changed."""
@@ -104,6 +111,7 @@ class Settings:
     identity: IdentitySettings
     keys: KeySettings
     providers: Mapping[str, ProviderSettings]
+    services: Mapping[str, ServiceSettings] = field(default_factory=dict)
     source: str = "defaults"
 
     @property
@@ -192,33 +200,34 @@ def load_settings(
 
 
 def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
-    providers = {name.upper(): name for name in raw.get("providers", {})}
+    named = {
+        table: {name.upper(): name for name in raw.get(table, {})}
+        for table in ("providers", "services")
+    }
     for variable, value in environ.items():
         if not variable.startswith("BROKER_") or variable == "BROKER_CONFIG":
             continue
         rest = variable.removeprefix("BROKER_")
         section, _, key = rest.partition("_")
         section = section.lower()
-        if section == "providers":
-            name_and_key = key
-            match = next(
-                (
-                    upper
-                    for upper in sorted(providers, key=len, reverse=True)
-                    if name_and_key.startswith(upper + "_")
-                ),
-                None,
-            )
-            if match is None:
-                raise ConfigError(f"{variable}: no provider section named in the config file")
-            _set_dotted(
-                raw,
-                f"providers.{providers[match]}.{name_and_key[len(match) + 1 :].lower()}",
-                _env_value(value),
-            )
+        if section in named:
+            _set_named(raw, variable, section, named[section], key, value)
         elif section in SECTIONS and key:
             _set_dotted(raw, f"{section}.{key.lower()}", _env_value(value))
         # other BROKER_* variables belong to no section and are not ours to judge
+
+
+def _set_named(
+    raw: dict[str, Any], variable: str, section: str, names: dict[str, str], key: str, value: str
+) -> None:
+    """`BROKER_PROVIDERS_<NAME>_<KEY>`: the longest table name that prefixes the rest wins."""
+    match = next(
+        (upper for upper in sorted(names, key=len, reverse=True) if key.startswith(upper + "_")),
+        None,
+    )
+    if match is None:
+        raise ConfigError(f"{variable}: no [{section}.<name>] table in the config file")
+    _set_dotted(raw, f"{section}.{names[match]}.{key[len(match) + 1 :].lower()}", _env_value(value))
 
 
 def _env_value(value: str) -> Any:
@@ -266,7 +275,7 @@ LIST_KEYS = {
 
 
 def _validate(raw: dict[str, Any], *, source: str) -> Settings:
-    unknown = set(raw) - {*SECTIONS, "providers"}
+    unknown = set(raw) - {*SECTIONS, "providers", "services"}
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown section")
     sections: dict[str, Any] = {}
@@ -290,7 +299,10 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
             providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:
             raise ConfigError(_describe(exc, f"providers.{name}")) from None
-    return Settings(source=source, providers=providers, **sections)
+    services: dict[str, ServiceSettings] = {}
+    for name, values in raw.get("services", {}).items():
+        services[name] = _parse(ServiceSettings, dict(values), f"services.{name}")
+    return Settings(source=source, providers=providers, services=services, **sections)
 
 
 def _parse(model: type[_Section], values: dict[str, Any], name: str) -> Any:

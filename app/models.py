@@ -140,3 +140,19 @@ class LoginSession(Base):
     auth_time: Mapped[datetime] = mapped_column(UtcDateTime)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+
+
+class ServiceClient(Base):
+    """A sibling MCP server allowed to use the integration API; only a digest of its secret."""
+
+    __tablename__ = "service_clients"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    secret_digest: Mapped[str] = mapped_column(String(64), unique=True)
+    providers: Mapped[str] = mapped_column(Text, default="")  # space-separated; empty = all
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"ServiceClient(name={self.name!r})"

@@ -66,8 +66,13 @@ class BrowserSessions:
         principal: Principal,
         display_name: str | None,
         auth_time: datetime,
+        previous_id: str | None = None,
     ) -> None:
-        """Create a new session (always a fresh id) and set its cookie on `response`."""
+        """Create a new session (always a fresh id) and set its cookie on `response`.
+
+        The browser's previous session, if it had one, ends here (ASVS 7.2.4).
+        """
+        await self._delete(session, previous_id)
         session_id = random_token()
         now = utcnow()
         session.add(
@@ -85,12 +90,14 @@ class BrowserSessions:
         set_cookie(response, SESSION_COOKIE, session_id, max_age=int(self._ttl.total_seconds()))
 
     async def end(self, session: AsyncSession, request: Request, response: Response) -> None:
-        session_id = request.cookies.get(SESSION_COOKIE)
+        await self._delete(session, request.cookies.get(SESSION_COOKIE))
+        response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="lax")
+
+    async def _delete(self, session: AsyncSession, session_id: str | None) -> None:
         if session_id and len(session_id) <= MAX_COOKIE_LENGTH:
             await session.execute(
                 delete(LoginSession).where(LoginSession.id_digest == self._digest(session_id))
             )
-        response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="lax")
 
     def csrf_token(self, user: BrowserUser) -> str:
         return hmac.new(self._csrf_key, user.session_id.encode(), "sha256").hexdigest()
@@ -110,8 +117,13 @@ def set_cookie(response: Response, name: str, value: str, *, max_age: int) -> No
 
 
 def same_origin_post(request: Request, public_origin: str) -> bool:
-    """Reject cross-site form posts by Origin/Sec-Fetch-Site (SECURITY.md G2, T20)."""
-    if request.headers.get("sec-fetch-site") == "cross-site":
-        return False
+    """Reject cross-site form posts by Sec-Fetch-Site, else Origin (SECURITY.md G2, T20).
+
+    Browsers that send Fetch Metadata say `same-origin` for our own forms, even when the page's
+    referrer policy makes them send `Origin: null`; without it, Origin must be absent or ours.
+    """
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site == "same-origin"
     origin = request.headers.get("origin")
     return origin is None or origin == public_origin

@@ -95,6 +95,12 @@ class WireLog:
     def calls(self, method: str = "tools/call") -> list[WireExchange]:
         return [exchange for exchange in self.exchanges if exchange.method == method]
 
+    def result_types(self) -> list[str]:
+        """The `resultType` of each tools/call answer, in order."""
+        return [
+            str((call.response or {}).get("result", {}).get("resultType")) for call in self.calls()
+        ]
+
     def validate(self) -> None:
         """Check every recorded request and JSON-RPC response against the official schema."""
         assert self.exchanges, "the client sent nothing"

@@ -18,12 +18,12 @@ from unittest.mock import ANY
 
 from mcp.client.session import ClientRequestContext
 from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
-from playwright.async_api import BrowserContext, Dialog, Page, Response
+from playwright.async_api import BrowserContext, Cookie, Dialog, Page, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess
-from ..support.clients import McpHttp, flow_id_from
+from ..support.clients import McpHttp
 from ..support.idp import IdpProcess
 from ..support.schema import validate, validate_response
 from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
@@ -116,13 +116,30 @@ async def cookies_set_by(responses: list[Response], origin: str) -> list[str]:
     return headers
 
 
-async def start_flow(mcp: McpHttp, token: str) -> tuple[str, str]:
-    """Round 1 over raw HTTP: (flow URL, flow id)."""
+def assert_host_only_lax_cookies(set_cookies: list[str], jar: list[Cookie]) -> None:
+    """H3 as Chromium keeps them: what the broker set is `__Host-`, Secure, HttpOnly, Lax."""
+    assert set_cookies, "the broker set no cookie"
+    names = {header.split("=", 1)[0] for header in set_cookies}
+    assert all(name.startswith("__Host-") for name in names), names
+    assert all("domain=" not in header.lower() for header in set_cookies)
+    kept = [cookie for cookie in jar if cookie.get("name") in names]
+    assert kept, "the session cookie did not survive the redirect back from the IdP"
+    for cookie in kept:
+        assert cookie.get("secure") is True
+        assert cookie.get("httpOnly") is True
+        assert cookie.get("sameSite") == "Lax"
+        assert cookie.get("path") == "/"
+        assert cookie.get("domain") == "127.0.0.1"  # host-only: no Domain attribute
+
+
+async def start_flow(mcp: McpHttp, token: str) -> str:
+    """Round 1 over raw HTTP; the flow URL of the answer."""
     response = await mcp.call_tool(token, "connect_account", {"provider": "demo"})
     body = response.json()
     validate_response(body, "InputRequiredResult")
-    key, flow_id = flow_id_from(body["result"])
-    return body["result"]["inputRequests"][key]["params"]["url"], flow_id
+    ((request,),) = [body["result"]["inputRequests"].values()]
+    url: str = request["params"]["url"]
+    return url
 
 
 async def sign_in_on_the_flow_page(page: Page, idp: IdpProcess, url: str, user: str) -> Response:
@@ -143,11 +160,11 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
     user = "alice-e2e-h7"
     token = await access_token(user)
     seen: dict[str, Any] = {}
-    responses: list[Response] = []
-    context.on("response", lambda response: responses.append(response))
 
     async def connect_in_browser(url: str) -> Action:
         async with open_page(context) as page:
+            responses: list[Response] = []
+            page.on("response", lambda response: responses.append(response))
             await page.goto(url, timeout=ACTION_TIMEOUT_MS)
             seen["login_page"] = page.url
             landed = await sign_in(page, idp, user)
@@ -155,6 +172,7 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
             seen["submitted"] = (await submit_key(page, API_KEY)).status
             seen["heading"] = await heading(page)
             seen["html"] = await page.content()
+            seen["set_cookies"] = await cookies_set_by(responses, broker.url)
         return "accept"
 
     elicitations = UrlElicitations(connect_in_browser)
@@ -177,28 +195,12 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
         "_meta": {"io.modelcontextprotocol/serverInfo": {"name": "connect-broker", "version": ANY}},
     }
     wire.validate()
-    assert [call.response["result"]["resultType"] for call in wire.calls()] == [  # type: ignore[index]
-        "input_required",
-        "complete",
-    ]
+    assert wire.result_types() == ["input_required", "complete"]
     flow_id = url.rsplit("/", 1)[1]
     assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
     assert await count_rows(db, "connections", subject=user, provider="demo") == 1
 
-    set_cookies = await cookies_set_by(responses, broker.url)
-    assert set_cookies, "the broker set no cookie"
-    names = {header.split("=", 1)[0] for header in set_cookies}
-    assert all(name.startswith("__Host-") for name in names), names
-    assert all("domain=" not in header.lower() for header in set_cookies)
-    jar = [cookie for cookie in await context.cookies(broker.url) if cookie["name"] in names]
-    assert jar, "the session cookie did not survive the redirect back from the IdP"
-    for cookie in jar:
-        assert cookie["name"].startswith("__Host-")
-        assert cookie["secure"] is True
-        assert cookie["httpOnly"] is True
-        assert cookie["sameSite"] == "Lax"
-        assert cookie["path"] == "/"
-        assert cookie["domain"] == "127.0.0.1"
+    assert_host_only_lax_cookies(seen["set_cookies"], await context.cookies(broker.url))
 
 
 async def test_retry_before_completion_gets_the_result_within_the_default_rounds(
@@ -242,8 +244,7 @@ async def test_retry_before_completion_gets_the_result_within_the_default_rounds
     calls = wire.calls()
     assert 2 <= len(calls) <= 11  # round 1, then at most the client's default 10 retries
     assert calls[1].sent_at < submitted_at  # the first retry was waiting when the key was saved
-    assert calls[-1].response is not None
-    assert calls[-1].response["result"]["resultType"] == "complete"
+    assert wire.result_types()[-1] == "complete"
     assert len(set(elicitations.urls)) == 1  # a re-issued elicitation keeps the same flow URL
     assert flow_url_pattern(broker).fullmatch(elicitations.urls[0])
 
@@ -257,7 +258,7 @@ async def test_wrong_user_is_refused_and_the_flow_is_untouched(
     wire: WireLog,
     db: AsyncEngine,
 ) -> None:
-    """D2 in a real browser: bob cannot use alice's link; nothing moves until alice's client cancels."""
+    """D2 in Chromium: bob cannot use alice's link; nothing moves until alice's client cancels."""
     alice, bob = "alice-e2e-d2", "bob-e2e-d2"
     token = await access_token(alice)
     seen: dict[str, Any] = {}
@@ -315,35 +316,37 @@ async def framing_site(target: str) -> AsyncIterator[str]:
 
 
 async def test_h6_framing_is_blocked(
-    mcp: McpHttp, token_for: Any, context: BrowserContext, idp: IdpProcess, broker: BrokerProcess
+    mcp: McpHttp, token_for: Any, context: BrowserContext, idp: IdpProcess
 ) -> None:
     """H6. A foreign page cannot frame the connect page, even for the signed-in owner."""
     user = "alice-e2e-h6"
-    url, _ = await start_flow(mcp, token_for(user))
-    async with open_page(context) as page:
-        landed = await sign_in_on_the_flow_page(page, idp, url, user)
-        assert landed.status == 200
-        assert await page.locator('input[name="api_key"]').count() == 1  # top level: usable
-    framed: list[Response] = []
-    context.on(
-        "response", lambda response: framed.append(response) if response.url == url else None
-    )
+    url = await start_flow(mcp, token_for(user))
 
-    async with framing_site(url) as site, open_page(context) as page:
-        await page.goto(site, timeout=ACTION_TIMEOUT_MS)
-        frames = page.frames
-        inputs = [await frame.locator('input[name="api_key"]').count() for frame in frames]
-        child_urls = [frame.url for frame in frames if frame is not page.main_frame]
+    async with asyncio.timeout(TEST_DEADLINE):
+        async with open_page(context) as page:
+            landed = await sign_in_on_the_flow_page(page, idp, url, user)
+            top_level_inputs = await page.locator('input[name="api_key"]').count()
+        async with framing_site(url) as site, open_page(context) as page:
+            framed: list[Response] = []
+            page.on(
+                "response",
+                lambda response: framed.append(response) if response.url == url else None,
+            )
+            await page.goto(site, timeout=ACTION_TIMEOUT_MS)
+            frames = page.frames
+            inputs = [await frame.locator('input[name="api_key"]').count() for frame in frames]
+            child_urls = [frame.url for frame in frames if frame is not page.main_frame]
+            statuses = [response.status for response in framed]
+            headers = [await response.all_headers() for response in framed]
 
+    assert (landed.status, top_level_inputs) == (200, 1)  # at top level the form is usable
     assert len(frames) == 2
     assert inputs == [0, 0]
     assert len(child_urls) == 1 and child_urls[0] != url
     assert child_urls[0].startswith(("chrome-error:", "about:blank"))
-    (response,) = framed  # the broker answered; the browser refused to show it
-    assert response.status == 200
-    headers = await response.all_headers()
-    assert "frame-ancestors 'none'" in headers["content-security-policy"]
-    assert headers["x-frame-options"] == "DENY"
+    assert statuses == [200]  # the broker answered the framed request; the browser hid it
+    assert "frame-ancestors 'none'" in headers[0]["content-security-policy"]
+    assert headers[0]["x-frame-options"] == "DENY"
 
 
 async def test_e13_like_no_script_runs(
@@ -355,31 +358,31 @@ async def test_e13_like_no_script_runs(
 ) -> None:
     """E13-like. Markup typed as an API key is refused with an error page that runs no script."""
     user = "alice-e2e-e13"
-    url, _ = await start_flow(mcp, token_for(user))
+    url = await start_flow(mcp, token_for(user))
     dialogs: list[str] = []
 
     async def record(dialog: Dialog) -> None:
         dialogs.append(dialog.message)
         await dialog.dismiss()
 
-    async with open_page(context) as control:  # the recorder does see a script's dialog
-        control.on("dialog", record)
-        async with control.expect_event("dialog", timeout=ACTION_TIMEOUT_MS):
-            await control.set_content(f"<p>{MARKUP_KEY}</p>", timeout=ACTION_TIMEOUT_MS)
-    assert dialogs == ["1"]
-    dialogs.clear()
+    async with asyncio.timeout(TEST_DEADLINE):
+        async with open_page(context) as control:  # the recorder does see a script's dialog
+            control.on("dialog", record)
+            async with control.expect_event("dialog", timeout=ACTION_TIMEOUT_MS):
+                await control.set_content(f"<p>{MARKUP_KEY}</p>", timeout=ACTION_TIMEOUT_MS)
+        control_dialogs = list(dialogs)
+        async with open_page(context) as page:
+            page.on("dialog", record)
+            await sign_in_on_the_flow_page(page, idp, url, user)
+            refused = await submit_key(page, MARKUP_KEY)
+            error = await page.locator("[role=alert]").inner_text(timeout=ACTION_TIMEOUT_MS)
+            images = await page.locator("img").count()
+            html = await page.content()
 
-    async with open_page(context) as page:
-        page.on("dialog", record)
-        await sign_in_on_the_flow_page(page, idp, url, user)
-        refused = await submit_key(page, MARKUP_KEY)
-        error = await page.locator("[role=alert]").inner_text(timeout=ACTION_TIMEOUT_MS)
-        images = await page.locator("img").count()
-        html = await page.content()
-
+    assert control_dialogs == ["1"]
     assert refused.status == 400
     assert error == "That does not look like a Demo API key."
     assert images == 0
-    assert "onerror" not in html
-    assert dialogs == []
+    assert "onerror" not in html  # not reflected at all, so nothing to escape wrongly
+    assert dialogs == control_dialogs  # none from the broker's page
     assert await count_rows(db, "connections", subject=user) == 0
