@@ -85,6 +85,10 @@ def _hkdf(key: bytes, purpose: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose.encode()).derive(key)
 
 
+def hmac_digest(key: bytes, value: str) -> str:
+    return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
+
+
 class Digester:
     """Keyed digests for one purpose, so a database dump reveals no usable value."""
 
@@ -92,7 +96,7 @@ class Digester:
         self._key = keyring.derive(f"digest:{purpose}")[0]
 
     def __call__(self, value: str) -> str:
-        return hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()
+        return hmac_digest(self._key, value)
 
 
 def seal(plaintext: bytes, *, purpose: str, keys: Keyring) -> str:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import httpx2
+from joserfc.errors import JoseError
 from joserfc.jwk import KeySet
 
 logger = logging.getLogger("broker.auth")
@@ -88,7 +89,9 @@ class JwksCache:
                 raise ValueError("issuer metadata has no jwks_uri")
             document = await self._get_json(jwks_uri)
             keys = KeySet.import_key_set(document)  # type: ignore[arg-type]
-        except (httpx2.HTTPError, ValueError, TypeError, KeyError) as exc:
+        except (httpx2.HTTPError, JoseError, ValueError, TypeError, KeyError) as exc:
+            # JoseError: a key set the library rejects (e.g. a truncated key) is a failed refresh
+            # too; letting it escape would turn a JWKS problem into 500s instead of keeping keys.
             logger.warning("jwks.refresh_failed reason=%s", type(exc).__name__)
             return
         self.fetch_count += 1

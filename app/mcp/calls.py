@@ -10,8 +10,6 @@ same URL with a fresh state; declined/cancelled/expired → an `isError` result.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -20,6 +18,7 @@ from app.auth.principal import McpCaller
 from app.connect import service as flows
 from app.connect.refresh import usable_credential
 from app.connect.service import FlowView, TooManyOpenFlows
+from app.connect.wait import wait_for_flow
 from app.credentials import Credential
 from app.mcp.envelope import Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
@@ -227,7 +226,7 @@ class CallToolRound:
             return self._ended(flow, status)
         # accept (or no answer at all): wait for the browser side, bounded.
         timeout = self.runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-        flow = await wait_for_flow(self.runtime, flow_id, self.caller, timeout)
+        flow = await wait_for_flow(self.runtime, flow_id, self.caller.principal, timeout)
         if flow is not None and flow.is_done:
             return None
         if flow is not None and flow.is_open:
@@ -254,26 +253,6 @@ class CallToolRound:
             structured={"status": status if status in messages else FlowStatus.expired},
             is_error=True,
         ).to_wire()
-
-
-async def wait_for_flow(
-    runtime: Runtime, flow_id: str, caller: McpCaller, wait_seconds: float
-) -> FlowView | None:
-    """The flow once it is no longer open, or as it stands after `wait_seconds`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_seconds
-    with runtime.notifier.subscribe(flow_id) as changed:
-        while True:
-            changed.clear()
-            async with runtime.sessionmaker() as session:
-                flow = await flows.get_for(session, flow_id=flow_id, principal=caller.principal)
-            remaining = deadline - loop.time()
-            if flow is None or not flow.is_open or remaining <= 0:
-                return flow
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    changed.wait(), min(remaining, runtime.notifier.poll_interval)
-                )
 
 
 def _input_responses(params: dict[str, Any]) -> dict[str, Any]:

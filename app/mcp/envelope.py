@@ -2,6 +2,7 @@
 
 Order (spec/DIGEST.md §2.2, §10 q4): envelope → Mcp-Method header → params._meta → version
 header equals _meta version (-32020) → version supported (-32022) → Mcp-Name / Mcp-Param-*.
+Notifications have no request _meta: for them only Mcp-Method and the version header are checked.
 """
 
 from __future__ import annotations
@@ -108,13 +109,16 @@ def _invalid(message: str) -> JsonRpcError:
 
 
 def check_message(message: Message, headers: Headers) -> None:
-    """Validate _meta, the version and the MCP headers against the body.
+    """Validate _meta, the version and the MCP headers against the body (notifications: headers).
 
     Raises:
         JsonRpcError: -32020, -32602 or -32022 (all HTTP 400).
     """
     if _header(headers, "mcp-method") != message.method:
         raise _mismatch("The Mcp-Method header is missing or differs from the body's method")
+    if message.id is None:
+        _check_notification_version(headers)
+        return
     meta = message.params.get("_meta")
     if not isinstance(meta, dict):
         raise _bad_meta("params._meta is required on every request")
@@ -126,17 +130,21 @@ def check_message(message: Message, headers: Headers) -> None:
     if _header(headers, "mcp-protocol-version") != version:
         raise _mismatch("The MCP-Protocol-Version header is missing or differs from params._meta")
     if version not in SUPPORTED_VERSIONS:
-        raise JsonRpcError(
-            UNSUPPORTED_VERSION,
-            "Unsupported protocol version",
-            http_status=400,
-            data={"supported": list(SUPPORTED_VERSIONS), "requested": version},
-        )
+        raise _unsupported(version)
     name_field = NAMED_METHODS.get(message.method)
     if name_field is not None:
         value = message.params.get(name_field)
         if not isinstance(value, str) or _header(headers, "mcp-name") != value:
             raise _mismatch(f"The Mcp-Name header is missing or differs from params.{name_field}")
+
+
+def _check_notification_version(headers: Headers) -> None:
+    """Notifications carry no request _meta (schema NotificationParams): only the header counts."""
+    version = _header(headers, "mcp-protocol-version")
+    if not version:
+        raise _mismatch("The MCP-Protocol-Version header is required")
+    if version not in SUPPORTED_VERSIONS:
+        raise _unsupported(version)
 
 
 def check_param_headers(
@@ -185,6 +193,15 @@ def _header(headers: Headers, name: str) -> str | None:
 
 def _mismatch(message: str) -> JsonRpcError:
     return JsonRpcError(HEADER_MISMATCH, message, http_status=400)
+
+
+def _unsupported(version: str) -> JsonRpcError:
+    return JsonRpcError(
+        UNSUPPORTED_VERSION,
+        "Unsupported protocol version",
+        http_status=400,
+        data={"supported": list(SUPPORTED_VERSIONS), "requested": version},
+    )
 
 
 def _bad_meta(message: str) -> JsonRpcError:

@@ -27,6 +27,7 @@ import httpx2
 import pytest
 from joserfc import jws
 from joserfc.jwk import RSAKey
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
@@ -52,7 +53,7 @@ FLOOD_CONCURRENCY = 32
 
 
 def fresh_user(label: str) -> str:
-    """A subject no other test (or earlier run on a reused database) has used."""
+    """A subject no other test on the shared broker has used, so row counts are this test's."""
     return f"{label}-{secrets.token_hex(4)}"
 
 
@@ -65,6 +66,12 @@ def connect_body() -> dict[str, Any]:
     return request_body(
         "tools/call", {"name": "connect_account", "arguments": {"provider": "demo"}}
     )
+
+
+async def flow_ids(db: AsyncEngine) -> set[str]:
+    """Every flow id in the broker's DB (the purger may remove rows, never add them)."""
+    async with db.connect() as connection:
+        return set((await connection.execute(text("SELECT id FROM flows"))).scalars())
 
 
 def challenge_params(response: httpx2.Response) -> dict[str, str]:
@@ -136,12 +143,14 @@ class _CountingServer(ThreadingHTTPServer):
 class LocalIssuer:
     """A minimal OIDC issuer on loopback: discovery + JWKS for one key, hits counted per path.
 
-    `failing = True` makes every endpoint answer 500 (a JWKS outage). Also used as the attacker's
-    site for jku/x5u headers, where the only interesting figure is `connections`.
+    `failing = True` makes every endpoint answer 500 (a JWKS outage); `jwks_document` may be
+    replaced by a broken one. Also plays the attacker's site for jku/x5u headers, where the only
+    interesting figure is `connections`.
     """
 
     def __init__(self, jwk: dict[str, Any]) -> None:
         self.jwk = jwk
+        self.jwks_document: dict[str, Any] = {"keys": [public_jwk(jwk)]}
         self.failing = False
         self.hits: Counter[str] = Counter()
         self.failed_hits = 0
@@ -160,7 +169,7 @@ class LocalIssuer:
                 "issuer": self.url,
                 "jwks_uri": f"{self.url}/jwks",
             },
-            "/jwks": {"keys": [public_jwk(self.jwk)]},
+            "/jwks": self.jwks_document,
         }
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -327,7 +336,7 @@ async def test_a1_missing_token_gets_a_bare_challenge_with_resource_metadata(
     mcp: McpHttp, broker: BrokerProcess, db: AsyncEngine
 ) -> None:
     """A1. RFC 6750 §3.1 / RFC 9728 §5.1: no `error=` without a token; nothing is processed."""
-    flows_before = await count_rows(db, "flows")
+    flows_before = await flow_ids(db)
 
     response = await mcp.post(connect_body(), token=None)
 
@@ -335,7 +344,7 @@ async def test_a1_missing_token_gets_a_bare_challenge_with_resource_metadata(
     assert response.headers["www-authenticate"] == (
         f'Bearer resource_metadata="{metadata_url(broker)}"'
     )
-    assert await count_rows(db, "flows") == flows_before
+    assert await flow_ids(db) <= flows_before
 
 
 async def test_a2_token_signed_by_another_key_with_the_idps_kid_is_refused(
@@ -620,4 +629,24 @@ async def test_a12_jwks_outage_keeps_the_last_known_good_keys(
     ]
 
     assert statuses == [200, 200, 200]
+    assert "jwks.refresh_failed" in issuer_broker.log()
+
+
+async def test_a12_unusable_jwks_document_is_an_idp_outage_not_a_crash(
+    issuer_mcp: McpHttp, issuer_broker: BrokerProcess, local_issuer: LocalIssuer
+) -> None:
+    """A12. A JWKS the key library rejects is a failed refresh like any other: 503, never 500.
+
+    The broker fetches keys on first use, and has no last-known-good set yet, so the honest
+    answer is "IdP unavailable".
+    """
+    truncated_key = {k: v for k, v in public_jwk(local_issuer.jwk).items() if k != "n"}
+    local_issuer.jwks_document = {"keys": [truncated_key]}
+
+    response = await discover(issuer_mcp, local_token(local_issuer, issuer_broker))
+
+    assert local_issuer.hits["/jwks"] == 1
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]
+    assert response.json()["error"] == "temporarily_unavailable"
     assert "jwks.refresh_failed" in issuer_broker.log()

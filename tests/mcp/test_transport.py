@@ -29,7 +29,7 @@ TWO_MIB = 2 * 1024 * 1024
 
 
 def fresh_user(label: str) -> str:
-    """A subject no other test (or earlier run on a reused database) has used."""
+    """A subject no other test on the shared broker has used, so row counts are this test's."""
     return f"{label}-{secrets.token_hex(4)}"
 
 
@@ -78,7 +78,7 @@ async def post_raw(
 
 
 async def test_server_discover_describes_a_tools_server(mcp: McpHttp, token_for: Any) -> None:
-    """server/discover is mandatory in 2026-07-28: versions, capabilities, cache hints, serverInfo."""
+    """server/discover is mandatory in 2026-07-28: versions, capabilities, cache hints, info."""
     body = request_body("server/discover")
 
     response = await mcp.post(body, token=token_for(fresh_user("discover")))
@@ -499,6 +499,23 @@ async def test_b20_notification_is_accepted_with_an_empty_202(mcp: McpHttp, toke
 
     assert response.status_code == 202, response.text
     assert response.content == b""
+
+
+@pytest.mark.parametrize(
+    ("version", "code"), [(None, -32020), ("1900-01-01", -32022)], ids=["missing", "unsupported"]
+)
+async def test_b20_notification_without_a_usable_version_header_is_refused(
+    mcp: McpHttp, token_for: Any, version: str | None, code: int
+) -> None:
+    """B20. The version header is required on every POST, notifications included (4xx, no id)."""
+    body = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}
+    headers = {"MCP-Protocol-Version": version} if version else {}
+    drop = () if version else ("MCP-Protocol-Version",)
+
+    response = await mcp.post(body, token=token_for(fresh_user("b20v")), headers=headers, drop=drop)
+
+    rpc_error(response, 400, code)
+    assert "id" not in response.json()
 
 
 async def test_b20_notification_has_no_side_effect(

@@ -1,0 +1,31 @@
+"""Waiting for a flow to leave its open states, bounded, without holding a database connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from app.auth.principal import Principal
+from app.connect import service as flows
+from app.connect.service import FlowView
+from app.runtime import Runtime
+
+
+async def wait_for_flow(
+    runtime: Runtime, flow_id: str, principal: Principal, wait_seconds: float
+) -> FlowView | None:
+    """The flow once it is no longer open, or as it stands after `wait_seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_seconds
+    with runtime.notifier.subscribe(flow_id) as changed:
+        while True:
+            changed.clear()
+            async with runtime.sessionmaker() as session:
+                flow = await flows.get_for(session, flow_id=flow_id, principal=principal)
+            remaining = deadline - loop.time()
+            if flow is None or not flow.is_open or remaining <= 0:
+                return flow
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    changed.wait(), min(remaining, runtime.notifier.poll_interval)
+                )

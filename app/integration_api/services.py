@@ -1,0 +1,83 @@
+"""Registered sibling MCP servers ("services") and their bearer secrets.
+
+A secret is shown once at creation; the table keeps only its keyed digest (HMAC-SHA256 under a
+subkey of the signing keys), which makes the per-request lookup one indexed equality query. After
+a signing-key rotation, digests under every configured key are tried, so secrets keep working.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.clock import utcnow
+from app.crypto import Keyring, hmac_digest
+from app.models import ServiceClient
+
+SECRET_PREFIX = "cbs_"  # noqa: S105 (a marker that makes leaked secrets greppable)
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    providers: frozenset[str]  # empty: every configured provider
+
+    def may_use(self, provider: str) -> bool:
+        return not self.providers or provider in self.providers
+
+
+def _digests(keys: Keyring, secret: str) -> list[str]:
+    return [hmac_digest(key, secret) for key in keys.derive("digest:service-secret")]
+
+
+async def create(
+    session: AsyncSession, *, keys: Keyring, name: str, providers: tuple[str, ...]
+) -> str:
+    """Register a service and return its secret (shown once, never stored)."""
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        ServiceClient(
+            name=name,
+            secret_digest=_digests(keys, secret)[0],
+            providers=" ".join(providers),
+            created_at=utcnow(),
+        )
+    )
+    await session.flush()
+    return secret
+
+
+async def authenticate(session: AsyncSession, *, keys: Keyring, secret: str) -> Service | None:
+    """The live service holding `secret`, or None."""
+    if not secret.startswith(SECRET_PREFIX) or len(secret) > 128:
+        return None
+    row = (
+        await session.execute(
+            select(ServiceClient).where(
+                ServiceClient.secret_digest.in_(_digests(keys, secret)),
+                ServiceClient.revoked_at.is_(None),
+            )
+        )
+    ).scalar_one_or_none()
+    if row is None:
+        return None
+    return Service(name=row.name, providers=frozenset(row.providers.split()))
+
+
+async def list_all(session: AsyncSession) -> list[ServiceClient]:
+    return list(
+        (await session.execute(select(ServiceClient).order_by(ServiceClient.name))).scalars()
+    )
+
+
+async def revoke(session: AsyncSession, *, name: str) -> bool:
+    result = await session.execute(
+        update(ServiceClient)
+        .where(ServiceClient.name == name, ServiceClient.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(result, "rowcount", 0))
