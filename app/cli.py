@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result: int = args.handler(args)
     except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)  # noqa: T201
+        print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     return result
 
@@ -70,6 +70,18 @@ def _parser() -> argparse.ArgumentParser:
         "rotate", help="re-seal stored credentials with the first (active) encryption key"
     )
     rotate.set_defaults(handler=_keys_rotate)
+
+    service = commands.add_parser("service", help="sibling MCP servers of the integration API")
+    service_commands = service.add_subparsers(required=True, metavar="ACTION")
+    create = service_commands.add_parser("create", help="register a service; prints its secret")
+    create.add_argument("name")
+    create.add_argument("--providers", default="", help="comma-separated; default: all")
+    create.set_defaults(handler=_service_create)
+    listing = service_commands.add_parser("list", help="list registered services")
+    listing.set_defaults(handler=_service_list)
+    revoke = service_commands.add_parser("revoke", help="revoke a service's secret")
+    revoke.add_argument("name")
+    revoke.set_defaults(handler=_service_revoke)
     return parser
 
 
@@ -112,13 +124,13 @@ def _migrate(args: argparse.Namespace) -> int:
 
     settings = load_settings(config_path(args.config))
     upgrade(settings.database.url)
-    print("database schema is current")  # noqa: T201
+    print("database schema is current")
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    print(  # noqa: T201
+    print(
         f"configuration OK ({settings.source}): public_url {settings.public_url}, "
         f"issuer {settings.identity.issuer}, {len(settings.providers)} provider(s)"
     )
@@ -127,9 +139,9 @@ def _check_config(args: argparse.Namespace) -> int:
 
 def _keys_generate(_args: argparse.Namespace) -> int:
     suffix = secrets.token_hex(3)
-    print("[keys]")  # noqa: T201
-    print(f'signing = ["{generate_key("s-" + suffix)}"]')  # noqa: T201
-    print(f'encryption = ["{generate_key("e-" + suffix)}"]')  # noqa: T201
+    print("[keys]")
+    print(f'signing = ["{generate_key("s-" + suffix)}"]')
+    print(f'encryption = ["{generate_key("e-" + suffix)}"]')
     return 0
 
 
@@ -152,8 +164,76 @@ def _keys_rotate(args: argparse.Namespace) -> int:
             await engine.dispose()
 
     count = asyncio.run(rotate())
-    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")  # noqa: T201
+    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
     return 0
+
+
+def _with_session(settings: Settings, work: Any) -> Any:
+    """Run `work(session)` in one committed transaction against the configured database."""
+    import asyncio
+
+    from app.db import create_engine, create_sessionmaker
+
+    async def run() -> Any:
+        engine = create_engine(settings.database.url, pool_size=1)
+        try:
+            async with create_sessionmaker(engine).begin() as session:
+                return await work(session)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def _service_create(args: argparse.Namespace) -> int:
+    import re
+
+    from app.crypto import Keyring
+    from app.integration_api import services
+
+    settings = _settings(args)
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == "mcp":
+        raise ConfigError("service name: lowercase letters, digits, - and _ (not 'mcp')")
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    unknown = [p for p in providers if p not in settings.providers]
+    if unknown:
+        raise ConfigError(f"--providers: unknown provider {unknown[0]!r}")
+    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
+    try:
+        secret = _with_session(
+            settings,
+            lambda session: services.create(
+                session, keys=keys, name=args.name, providers=providers
+            ),
+        )
+    except Exception as exc:  # a duplicate name violates the unique constraint
+        if "unique" in str(exc).lower() or "duplicate" in str(exc).lower():
+            print(f"a service named {args.name!r} already exists", file=sys.stderr)
+            return 1
+        raise
+    print(secret)
+    print(
+        f"# service {args.name!r} created; the secret above is shown only once",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _service_list(args: argparse.Namespace) -> int:
+    from app.integration_api import services
+
+    for row in _with_session(_settings(args), services.list_all):
+        state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
+        print(f"{row.name}\t{row.providers or '*'}\t{state}")
+    return 0
+
+
+def _service_revoke(args: argparse.Namespace) -> int:
+    from app.integration_api import services
+
+    done = _with_session(_settings(args), lambda session: services.revoke(session, name=args.name))
+    print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
+    return 0 if done else 1
 
 
 def _dev_state(port: int | None) -> dict[str, Any]:
@@ -224,7 +304,7 @@ def _dev(args: argparse.Namespace) -> int:
     idp = _dev_idp(settings, state)
     _configure_logging()
     token = idp.mint("alice")
-    print(_dev_banner(settings, token), flush=True)  # noqa: T201
+    print(_dev_banner(settings, token), flush=True)
     app = create_app(settings, dev_idp=idp)
     uvicorn.run(
         app,
@@ -240,7 +320,7 @@ def _dev(args: argparse.Namespace) -> int:
 def _dev_token(args: argparse.Namespace) -> int:
     state = _dev_state(None)
     settings = _dev_settings(state)
-    print(_dev_idp(settings, state).mint(args.user))  # noqa: T201
+    print(_dev_idp(settings, state).mint(args.user))
     return 0
 
 

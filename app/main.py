@@ -33,6 +33,7 @@ from app.errors import (
     on_database_error,
     on_unexpected_error,
 )
+from app.integration_api import routes as integration_routes
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
@@ -133,6 +134,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        openapi_url="/api/v1/openapi.json",
     )
     app.state.runtime = runtime
     app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["POST"]))
@@ -148,6 +150,7 @@ def create_app(
     app.include_router(login.router)
     app.include_router(pages.router)
     app.include_router(oauth_pages.router)
+    app.include_router(integration_routes.router)
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)

@@ -105,6 +105,7 @@ class BrokerConfig:
     signing: list[str] = field(default_factory=lambda: [generate_key("s1")])
     encryption: list[str] = field(default_factory=lambda: [generate_key("e1")])
     providers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -149,6 +150,9 @@ class BrokerConfig:
             for key, table in nested.items():
                 lines.append(f"[providers.{name}.{key}]")
                 lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+        for name, values in self.services.items():
+            lines.append(f"[services.{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -336,6 +337,12 @@ def unverified_jwt(token: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return header, claims
 
 
+@functools.lru_cache(maxsize=32)
+def _imported_key(serialized: str) -> RSAKey:
+    """Importing (and validating) an RSA key is slow; tests mint many tokens with one key."""
+    return RSAKey.import_key(json.loads(serialized))
+
+
 def mint_token(
     jwk: dict[str, Any],
     *,
@@ -388,7 +395,7 @@ def mint_token(
     if alg == "none":
         head = json.dumps(protected, separators=(",", ":")).encode()
         return f"{_b64url(head)}.{_b64url(payload)}."
-    key = RSAKey.import_key(jwk)
+    key = _imported_key(json.dumps(jwk, sort_keys=True))
     algorithms = [alg] if isinstance(alg, str) else None
     return jws.serialize_compact(protected, payload, key, algorithms=algorithms)
 

@@ -1,0 +1,250 @@
+"""The connect machinery on behalf of a sibling service: require, resume, fetch.
+
+The same flows, pages, waits and sealed `requestState` as the broker's own MCP endpoint. The state
+is bound to the service (as the "client"), the user, the provider and the sibling's request digest,
+so it cannot be replayed by another service, for another user or another request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.auth.principal import McpCaller, Principal
+from app.connect import service as flows
+from app.connect.refresh import usable_credential
+from app.connect.service import FlowView, TooManyOpenFlows
+from app.connect.wait import wait_for_flow
+from app.errors import BrokerError
+from app.integration_api.services import Service
+from app.mcp.protocol import JsonRpcError
+from app.models import FlowStatus
+from app.providers.settings import OAuthProviderSettings
+from app.runtime import Runtime
+
+METHOD = "api/connections.require"
+
+
+class InvalidRequestState(BrokerError):
+    status_code = 400
+    code = "invalid_request_state"
+    title = "Invalid or expired requestState"
+    message = "The requestState is tampered, expired, or belongs to another user or request."
+
+
+class InvalidInputResponse(BrokerError):
+    status_code = 400
+    code = "invalid_input_response"
+    title = "Invalid input response"
+    message = "input_response.action must be accept, decline or cancel."
+
+
+class UserRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    issuer: str = Field(max_length=255, description="the `iss` of the user's MCP access token")
+    subject: str = Field(max_length=255, description="the user's identity claim (`sub`)")
+
+
+class RequireRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user: UserRef
+    scopes: list[str] = Field(default_factory=list, max_length=50)
+    client_capabilities: dict[str, Any] = Field(
+        default_factory=dict, description="the MCP client's clientCapabilities of this request"
+    )
+    client_name: str | None = Field(default=None, max_length=255)
+    request_digest: str = Field(
+        default="", max_length=128, description="a digest of the sibling's tool call"
+    )
+
+
+class ResumeRequest(RequireRequest):
+    request_state: str = Field(max_length=8192)
+    input_response: dict[str, Any] | None = Field(
+        default=None, description="the client's inputResponses entry for the elicitation key"
+    )
+
+
+class CredentialView(BaseModel):
+    provider: str
+    kind: Literal["api_key", "oauth2"]
+    secret: str = Field(description="the API key or the OAuth access token")
+    account: str | None = None
+    scopes: list[str] = Field(default_factory=list)
+    expires_at: datetime | None = None
+
+
+class ConnectOutcome(BaseModel):
+    status: Literal[
+        "connected",
+        "input_required",
+        "missing_capability",
+        "declined",
+        "cancelled",
+        "expired",
+        "failed",
+    ]
+    credential: CredentialView | None = None
+    input_requests: dict[str, Any] | None = Field(default=None, alias="inputRequests")
+    request_state: str | None = Field(default=None, alias="requestState")
+    required_capabilities: dict[str, Any] | None = Field(default=None, alias="requiredCapabilities")
+    message: str | None = None
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+def readable_audiences(runtime: Runtime, service: Service) -> tuple[str, ...]:
+    shared = runtime.settings.services.get(service.name)
+    return (service.name, *(shared.share_from if shared else ()))
+
+
+async def usable_for(
+    runtime: Runtime, service: Service, provider: str, principal: Principal
+) -> CredentialView | None:
+    for audience in readable_audiences(runtime, service):
+        found = await usable_credential(
+            runtime, principal=principal, provider=provider, audience=audience
+        )
+        if found is not None:
+            kind = (
+                "oauth2"
+                if isinstance(runtime.settings.providers[provider], OAuthProviderSettings)
+                else "api_key"
+            )
+            return CredentialView(
+                provider=provider,
+                kind=kind,
+                secret=found.secret,
+                account=found.account_label,
+                scopes=sorted(found.scopes),
+            )
+    return None
+
+
+def _caller(service: Service, principal: Principal) -> McpCaller:
+    return McpCaller(principal=principal, client_id=f"service:{service.name}", scopes=frozenset())
+
+
+def _binding(provider: str, body: RequireRequest) -> str:
+    return hashlib.sha256(f"{provider}|{body.request_digest}".encode()).hexdigest()
+
+
+def _elicit(
+    runtime: Runtime, service: Service, flow: FlowView, body: RequireRequest
+) -> ConnectOutcome:
+    provider = runtime.settings.providers[flow.provider]
+    key = f"connect_{flow.provider}"
+    state = runtime.codec.issue(
+        _caller(service, flow.principal),
+        method=METHOD,
+        name=flow.provider,
+        arguments_digest=_binding(flow.provider, body),
+        flow_id=flow.id,
+        input_key=key,
+    )
+    request = {
+        "method": "elicitation/create",
+        "params": {
+            "mode": "url",
+            "message": f"Connect your {provider.display_name} account to continue.",
+            "url": f"{runtime.settings.public_url}/connect/{flow.id}",
+        },
+    }
+    return ConnectOutcome(
+        status="input_required", input_requests={key: request}, request_state=state
+    )
+
+
+def _url_declared(capabilities: dict[str, Any]) -> bool:
+    elicitation = capabilities.get("elicitation")
+    return isinstance(elicitation, dict) and isinstance(elicitation.get("url"), dict)
+
+
+async def require_connection(
+    runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
+) -> ConnectOutcome:
+    found = await usable_for(runtime, service, provider, principal)
+    if found is not None and set(body.scopes) <= set(found.scopes or body.scopes):
+        return ConnectOutcome(status="connected", credential=found)
+    if not _url_declared(body.client_capabilities):
+        return ConnectOutcome(
+            status="missing_capability", required_capabilities={"elicitation": {"url": {}}}
+        )
+    settings = runtime.settings.providers[provider]
+    scopes = tuple(
+        dict.fromkeys(
+            (*getattr(settings, "scopes", ()), *body.scopes, *(found.scopes if found else ()))
+        )
+    )
+    display = runtime.settings.services.get(service.name) or None
+    name = display.display_name if display and display.display_name else service.name
+    client = f"{name} (via {body.client_name})" if body.client_name else name
+    try:
+        async with runtime.sessionmaker.begin() as session:
+            flow = await flows.create(
+                session,
+                caller=_caller(service, principal),
+                client_name=client,
+                provider=provider,
+                scopes=scopes if isinstance(settings, OAuthProviderSettings) else (),
+                tool_name=METHOD,
+                args_digest=_binding(provider, body),
+                ttl_seconds=runtime.settings.server.flow_ttl_seconds,
+                audience=service.name,
+            )
+    except TooManyOpenFlows:
+        return ConnectOutcome(status="failed", message="Too many unfinished connect links.")
+    return _elicit(runtime, service, flow, body)
+
+
+async def resume_connection(
+    runtime: Runtime, service: Service, provider: str, principal: Principal, body: ResumeRequest
+) -> ConnectOutcome:
+    """The outcome of the client's retry.
+
+    Raises:
+        InvalidRequestState: tampered, expired, foreign or not for this request.
+        InvalidInputResponse: an action other than accept/decline/cancel.
+    """
+    try:
+        payload = runtime.codec.verify(
+            body.request_state,
+            _caller(service, principal),
+            method=METHOD,
+            name=provider,
+            arguments_digest=_binding(provider, body),
+        )
+    except JsonRpcError:
+        raise InvalidRequestState() from None
+    if payload.flow_id is None:
+        raise InvalidRequestState()
+    action = (body.input_response or {}).get("action")
+    if action in ("decline", "cancel"):
+        status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
+        async with runtime.sessionmaker.begin() as session:
+            await flows.end_by_client(
+                session, flow_id=payload.flow_id, principal=principal, status=status
+            )
+        return ConnectOutcome(status=status)
+    if action not in (None, "accept"):
+        raise InvalidInputResponse()
+    wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
+    flow = await wait_for_flow(runtime, payload.flow_id, principal, wait)
+    if flow is not None and flow.is_done:
+        async with runtime.sessionmaker.begin() as session:
+            await flows.mark_consumed(session, flow_id=flow.id, principal=principal)
+        found = await usable_for(runtime, service, provider, principal)
+        if found is not None:
+            return ConnectOutcome(status="connected", credential=found)
+        return await require_connection(runtime, service, provider, principal, body)
+    if flow is not None and flow.is_open:
+        return _elicit(runtime, service, flow, body)
+    outcome = flow.outcome if flow is not None else FlowStatus.expired
+    if outcome not in ("declined", "cancelled", "failed"):
+        outcome = "expired"
+    return ConnectOutcome(status=outcome)

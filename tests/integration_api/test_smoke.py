@@ -1,0 +1,66 @@
+"""The integration API's main path: a sibling requires a credential, the user connects, resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx2
+
+from ..support.broker import BrokerProcess, cli
+from ..support.clients import Browser, URL_CAPS
+
+
+def create_service(broker: BrokerProcess, name: str, *args: str) -> str:
+    result = cli("service", "create", name, *args, config_path=broker.config_path)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+async def test_sibling_gets_an_elicitation_then_the_credential(
+    broker: BrokerProcess, browser: Browser, idp: Any
+) -> None:
+    secret = create_service(broker, "smoke-sibling")
+    user = {"issuer": idp.issuer, "subject": "api-smoke"}
+    api = httpx2.AsyncClient(
+        base_url=f"{broker.url}/api/v1",
+        trust_env=False,
+        headers={"Authorization": f"Bearer {secret}"},
+    )
+    body = {
+        "user": user,
+        "client_capabilities": URL_CAPS,
+        "client_name": "Claude",
+        "request_digest": "call-1",
+    }
+
+    first = (await api.post("/connections/demo/require", json=body)).json()
+    flow_id = first["inputRequests"]["connect_demo"]["params"]["url"].rsplit("/", 1)[1]
+    await browser.login_as("api-smoke", next_path=f"/connect/{flow_id}")
+    page = await browser.get(f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": "sk_CANARYKEY_sibling"}
+    )
+    resumed = (
+        await api.post(
+            "/connections/demo/resume",
+            json={
+                **body,
+                "request_state": first["requestState"],
+                "input_response": {"action": "accept"},
+            },
+        )
+    ).json()
+    fetched = await api.get("/credentials/demo", params=user)
+    anonymous = await api.get(
+        "/credentials/demo", params=user, headers={"Authorization": "Bearer cbs_wrong"}
+    )
+    await api.aclose()
+
+    assert first["status"] == "input_required"
+    assert "smoke-sibling (via Claude)" in page.text
+    assert resumed["status"] == "connected"
+    assert resumed["credential"]["secret"] == "sk_CANARYKEY_sibling"
+    assert fetched.json()["secret"] == "sk_CANARYKEY_sibling"
+    assert anonymous.status_code == 401
+    assert anonymous.headers["content-type"] == "application/problem+json"
