@@ -7,7 +7,7 @@ from typing import Any
 import httpx2
 
 from ..support.broker import BrokerProcess, cli
-from ..support.clients import Browser, URL_CAPS
+from ..support.clients import URL_CAPS, Browser
 
 
 def create_service(broker: BrokerProcess, name: str, *args: str) -> str:
