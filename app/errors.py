@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -122,6 +123,26 @@ def render_error(request: Request, error: BrokerError) -> Response:
 async def on_broker_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BrokerError)
     return render_error(request, exc)
+
+
+class MethodNotAllowed(BrokerError):
+    status_code = 405
+    code = "method_not_allowed"
+    title = "Not available this way"
+    message = "This address does not accept that kind of request."
+    next_step = "Open the link from your MCP client again."
+
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    """Routing misses (404/405) on browser paths get our page and headers, not Starlette's JSON."""
+    assert isinstance(exc, StarletteHTTPException)
+    if not wants_html(request) or exc.status_code not in (404, 405):
+        return JSONResponse(
+            {"detail": exc.detail},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+    return render_error(request, NotFound() if exc.status_code == 404 else MethodNotAllowed())
 
 
 async def on_database_error(request: Request, exc: Exception) -> Response:

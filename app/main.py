@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import httpx2
 from fastapi import FastAPI
 from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -31,6 +32,7 @@ from app.errors import (
     BrokerError,
     on_broker_error,
     on_database_error,
+    on_http_exception,
     on_unexpected_error,
 )
 from app.integration_api import routes as integration_routes
@@ -154,6 +156,7 @@ def create_app(
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
     for error in DATABASE_ERRORS:
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)

@@ -24,7 +24,7 @@ from joserfc.errors import JoseError
 from joserfc.jwt import JWTClaimsRegistry
 from starlette.responses import RedirectResponse, Response
 
-from app.auth.browser import LOGIN_COOKIE, same_origin_post, set_cookie
+from app.auth.browser import LOGIN_COOKIE, SESSION_COOKIE, same_origin_post, set_cookie
 from app.auth.jwks import JwksUnavailable
 from app.auth.principal import Principal
 from app.clock import utcnow
@@ -114,6 +114,7 @@ async def login_callback(request: Request, runtime: RuntimeDep, session: Session
         principal=Principal(runtime.settings.identity.issuer, str(claims[identity_claim])),
         display_name=_display_name(claims),
         auth_time=_auth_time(claims),
+        previous_id=request.cookies.get(SESSION_COOKIE),
     )
     return response
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
 from sqlalchemy import select, update
@@ -39,6 +40,12 @@ from ..support.schema import validate_response
 def unique(name: str) -> str:
     """A user name no other test (or earlier run against the same database) has used."""
     return f"{name}-{secrets.token_hex(4)}"
+
+
+def local(url: str) -> str:
+    """Path and query of an absolute URL (what Browser.get takes)."""
+    parts = urlsplit(url)
+    return f"{parts.path}?{parts.query}" if parts.query else parts.path
 
 
 async def start_connect(mcp: McpHttp, token: str, provider: str = "demo") -> dict[str, Any]:
@@ -124,14 +131,10 @@ class Stack:
     idp: IdpProcess
     broker: BrokerProcess
 
-    def token(self, user: str, **extra: Any) -> str:
+    def token(self, user: str) -> str:
         """An access token for this broker, signed with this IdP's key."""
         return mint_token(
-            self.idp.signing_jwk,
-            issuer=self.idp.issuer,
-            audience=self.broker.mcp_url,
-            subject=user,
-            extra=extra or None,
+            self.idp.signing_jwk, issuer=self.idp.issuer, audience=self.broker.mcp_url, subject=user
         )
 
 
@@ -159,13 +162,7 @@ def dedicated_stack(
         pairwise_access_sub=pairwise_access_sub,
         extra_claims=extra_claims or {},
     )
-    database_name = unique(name)
     with running_idp(idp_config, workdir) as idp:
         config = BrokerConfig(issuer=idp.issuer, port=port, **broker_options)
-        try:
-            with running_broker(config, workdir, name=database_name) as broker:
-                yield Stack(idp, broker)
-        finally:
-            # running_broker drops PostgreSQL databases only; SQLite files would pile up
-            for suffix in (".db", ".db-wal", ".db-shm", ".db-journal"):
-                (workdir / f"{database_name}{suffix}").unlink(missing_ok=True)
+        with running_broker(config, workdir, name=name) as broker:
+            yield Stack(idp, broker)

@@ -35,6 +35,7 @@ from . import (
     expire_flow,
     flow_snapshot,
     html_forms,
+    local,
     open_flow,
     start_connect,
     submit_key,
@@ -43,12 +44,6 @@ from . import (
 
 KEY = "sk_CANARYKEY_pages_0001"
 _DEMO = {"demo": DEMO_PROVIDER}
-
-
-def local(url: str) -> str:
-    """Path and query of an absolute URL (what Browser.get takes)."""
-    parts = urlsplit(url)
-    return f"{parts.path}?{parts.query}" if parts.query else parts.path
 
 
 # --- D: the connect page ------------------------------------------------------------------------
