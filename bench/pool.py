@@ -9,15 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx2
-from joserfc import jws
-from joserfc.jwk import RSAKey
 from sqlalchemy import text
 
 from app import credentials
@@ -26,6 +23,7 @@ from app.connect import service as flows
 from app.crypto import Keyring
 from app.db import create_engine, create_sessionmaker
 from app.models import FlowStatus
+from tests.support.idp import mint_token
 
 PROTOCOL_VERSION = "2026-07-28"
 TOOL = "connect_account"
@@ -45,33 +43,22 @@ class PoolError(RuntimeError):
 
 
 class TokenMinter:
-    """Access tokens shaped like tests/support/idp.py `mint_token` makes them.
-
-    `mint_token` imports the private JWK again for every token (~50 ms of RSA key checks); importing
-    it once brings a token down to ~1 ms, which matters for pools of thousands.
-    """
+    """Access tokens signed with the IdP's own key (tests/support/idp.py `mint_token`)."""
 
     def __init__(self, jwk: dict[str, Any], *, issuer: str, audience: str) -> None:
         self.issuer = issuer
+        self._jwk = jwk
         self._audience = audience
-        self._key = RSAKey.import_key(jwk)
-        self._header = {"alg": "RS256", "typ": "at+jwt", "kid": jwk["kid"]}
 
     def mint(self, subject: str) -> str:
-        now = int(time.time())
-        claims = {
-            "iss": self.issuer,
-            "sub": subject,
-            "aud": self._audience,
-            "exp": now + TOKEN_LIFETIME,
-            "iat": now,
-            "nbf": now,
-            "jti": secrets.token_urlsafe(16),
-            "client_id": "bench-client",
-            "scope": "mcp:tools",
-        }
-        payload = json.dumps(claims, separators=(",", ":")).encode()
-        return jws.serialize_compact(self._header, payload, self._key)
+        return mint_token(
+            self._jwk,
+            issuer=self.issuer,
+            audience=self._audience,
+            subject=subject,
+            client_id="bench-client",
+            lifetime=TOKEN_LIFETIME,
+        )
 
     def mint_many(self, prefix: str, start: int, count: int) -> list[tuple[str, str]]:
         """(subject, token) for subjects `<prefix>-<start>` … `<prefix>-<start + count - 1>`."""
