@@ -185,19 +185,32 @@ def _with_session(settings: Settings, work: Any) -> Any:
     return asyncio.run(run())
 
 
+def _service_usage_error(argument: str, message: str) -> int:
+    """A bad argument is a usage error (exit 2, like argparse's own), not a configuration error."""
+    print(f"connect-broker service create: error: argument {argument}: {message}", file=sys.stderr)
+    return 2
+
+
 def _service_create(args: argparse.Namespace) -> int:
     import re
 
     from app.crypto import Keyring
     from app.integration_api import services
 
-    settings = _settings(args)
     if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == "mcp":
-        raise ConfigError("service name: lowercase letters, digits, - and _ (not 'mcp')")
+        return _service_usage_error(
+            "name",
+            f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "
+            "starting with a letter; 'mcp' is reserved for the broker itself)",
+        )
+    settings = _settings(args)
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     unknown = [p for p in providers if p not in settings.providers]
     if unknown:
-        raise ConfigError(f"--providers: unknown provider {unknown[0]!r}")
+        known = ", ".join(sorted(settings.providers)) or "none"
+        return _service_usage_error(
+            "--providers", f"unknown provider {unknown[0]!r:.80} (configured: {known})"
+        )
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
     try:
         secret = _with_session(

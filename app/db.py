@@ -61,7 +61,9 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     return create_async_engine(
         target,
         hide_parameters=True,
-        pool_pre_ping=True,
+        # no pre-ping (a round trip per checkout on the hot path): a connection found dead
+        # fails that request with a 503 and SQLAlchemy invalidates the whole pool at once
+        pool_recycle=1800,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_timeout=POOL_TIMEOUT_SECONDS,

@@ -14,7 +14,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import login
 from app.auth.bearer import TokenVerifier
@@ -104,6 +104,26 @@ def allowed_hosts(settings: Settings) -> frozenset[str]:
     return frozenset(hosts)
 
 
+class BrokerApp(FastAPI):
+    """FastAPI, except that POST /mcp (the hot path) skips FastAPI's middleware and routing."""
+
+    mcp_stack: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/mcp" and self.mcp_stack is not None:
+            scope["app"] = self
+            await self.mcp_stack(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+async def _mcp_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+    request = Request(scope, receive)
+    handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
+    response = await handler(request)
+    await response(scope, receive, send)
+
+
 def create_app(
     settings: Settings,
     *,
@@ -130,7 +150,7 @@ def create_app(
             await runtime.http.aclose()
             await runtime.engine.dispose()
 
-    app = FastAPI(
+    app = BrokerApp(
         title="Connect Broker",
         version=runtime.server_info["version"],
         lifespan=lifespan,
@@ -139,8 +159,6 @@ def create_app(
         openapi_url="/api/v1/openapi.json",
     )
     app.state.runtime = runtime
-    app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["POST"]))
-    app.router.routes.append(Route("/mcp", method_not_allowed, methods=["GET", "DELETE", "PUT"]))
     for path in (
         "/.well-known/oauth-protected-resource",
         "/.well-known/oauth-protected-resource/mcp",
@@ -160,8 +178,10 @@ def create_app(
     for error in DATABASE_ERRORS:
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)
-    app.add_middleware(HostGuard, allowed_hosts=allowed_hosts(settings))
+    hosts = allowed_hosts(settings)
+    app.add_middleware(HostGuard, allowed_hosts=hosts)
     app.add_middleware(AccessLog)
+    app.mcp_stack = AccessLog(HostGuard(_mcp_asgi, allowed_hosts=hosts))
     return app
 
 

@@ -64,7 +64,10 @@ class Flow(Base):
     """One connect interaction: started by a tool call, finished in the user's browser."""
 
     __tablename__ = "flows"
-    __table_args__ = (Index("ix_flows_status_expires_at", "status", "expires_at"),)
+    __table_args__ = (
+        Index("ix_flows_status_expires_at", "status", "expires_at"),
+        Index("ix_flows_owner_status", "issuer", "subject", "status"),  # open-flow cap per user
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     issuer: Mapped[str] = mapped_column(String(255))

@@ -60,10 +60,14 @@ class JwksCache:
         now = self._clock()
         stale = now - self._fetched_at > self._ttl
         unknown = kid is not None and kid not in self._kids
-        if (stale or unknown) and now - self._attempted_at >= self._cooldown:
-            async with self._lock:
-                if self._clock() - self._attempted_at >= self._cooldown:
-                    await self._refresh()
+        if stale or unknown:
+            if now - self._attempted_at >= self._cooldown:
+                async with self._lock:
+                    if self._clock() - self._attempted_at >= self._cooldown:
+                        await self._refresh()
+            elif self._lock.locked():
+                async with self._lock:  # a refresh is in flight: wait for its keys
+                    pass
         if self._keys is None:
             raise JwksUnavailable()
         return self._keys

@@ -18,7 +18,7 @@ from app.models import FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
 from app.runtime import Runtime
-from app.templating import render
+from app.templating import html_security_headers, render
 
 logger = logging.getLogger("broker.security")
 router = APIRouter(include_in_schema=False)
@@ -51,8 +51,8 @@ async def start(
     except oauth.UpstreamError:
         raise StartUnavailable() from None
     if target is None:  # finished, expired or mid-exchange: show where it stands
-        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
-    return RedirectResponse(target, status_code=303)
+        return _see_other(f"/connect/{flow.id}")
+    return _see_other(target)
 
 
 @router.get("/oauth/{provider_name}/callback", name="oauth:callback")
@@ -66,18 +66,23 @@ async def callback(
         return _refusal(request, refused)
     params = request.query_params
     if "error" in params:
-        if params["error"] == "access_denied":
-            await oauth_service.decline(session, runtime, flow=flow)
-        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+        await oauth_service.provider_refused(session, runtime, flow=flow, error=params["error"])
+        return _see_other(f"/connect/{flow.id}")
     try:
         verifier = await oauth_service.claim(session, runtime, flow=flow, state=state)
     except CallbackRefused:  # replay, double click, parallel callback: someone else won
-        return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+        return _see_other(f"/connect/{flow.id}")
     await session.commit()  # the claim is durable before the code is spent (SECURITY.md §0.4)
     provider = runtime.settings.providers[flow.provider]
     assert isinstance(provider, OAuthProviderSettings)
     await _exchange_and_store(session, runtime, flow, provider, params["code"], state, verifier)
-    return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    return _see_other(f"/connect/{flow.id}")
+
+
+def _see_other(target: str) -> Response:
+    """303 with the page headers: the URL it answers (code and state in the query) is neither
+    sent on as a Referer nor cached (T13); likewise the start's provider URL (state)."""
+    return RedirectResponse(target, status_code=303, headers=html_security_headers())
 
 
 async def _checked(
@@ -158,7 +163,7 @@ REFUSALS = {
 
 def _refusal(request: Request, refused: CallbackRefused) -> Response:
     if refused.status == 303 and refused.flow is not None:
-        return RedirectResponse(f"/connect/{refused.flow.id}", status_code=303)
+        return _see_other(f"/connect/{refused.flow.id}")
     title, message = REFUSALS.get(
         refused.reason,
         (

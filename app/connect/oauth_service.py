@@ -35,6 +35,17 @@ logger = logging.getLogger("broker.security")
 
 STARTABLE = (FlowStatus.pending, FlowStatus.authorizing)
 PKCE_PURPOSE = "pkce:v1"
+# RFC 6749 §4.1.2.1 error codes other than access_denied (which is the user's decline)
+AUTHORIZE_ERRORS = frozenset(
+    {
+        "invalid_request",
+        "unauthorized_client",
+        "invalid_scope",
+        "server_error",
+        "temporarily_unavailable",
+        "unsupported_response_type",
+    }
+)
 
 
 class CallbackRefused(Exception):
@@ -204,14 +215,28 @@ async def complete(
     return True
 
 
-async def decline(session: AsyncSession, runtime: Runtime, *, flow: FlowView) -> None:
+async def provider_refused(
+    session: AsyncSession, runtime: Runtime, *, flow: FlowView, error: str
+) -> None:
+    """The provider sent the browser back with `error=` (state and session already checked).
+
+    `access_denied` is the user's "no": the flow is declined. Any other error is the provider's
+    problem: `authorizing → pending` with the reason, so the page says what happened and the
+    user can start again. Only known RFC 6749 codes are kept (the value is request input).
+    """
+    if error == "access_denied":
+        to_status, failure = FlowStatus.declined, None
+    else:
+        to_status = FlowStatus.pending
+        failure = f"authorize_error:{error}" if error in AUTHORIZE_ERRORS else "authorize_error"
     if await flows.transition(
         session,
         flow_id=flow.id,
         principal=flow.principal,
         from_statuses=(FlowStatus.authorizing,),
-        to_status=FlowStatus.declined,
+        to_status=to_status,
         sealed_pkce_verifier=None,
+        failure=failure,
     ):
         await runtime.notifier.publish(session, flow.id)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.principal import McpCaller, Principal
@@ -109,25 +109,24 @@ async def create(
     )
     if (open_count or 0) >= MAX_OPEN_FLOWS_PER_USER:
         raise TooManyOpenFlows()
-    flow = Flow(
-        id=random_token(),
-        issuer=caller.principal.issuer,
-        subject=caller.principal.subject,
-        client_id=caller.client_id,
-        client_name=(client_name or "")[:255] or None,
-        audience=audience,
-        provider=provider,
-        scopes=" ".join(scopes),
-        tool_name=tool_name,
-        args_digest=args_digest,
-        status=FlowStatus.pending,
-        created_at=now,
-        updated_at=now,
-        expires_at=now + timedelta(seconds=ttl_seconds),
-    )
-    session.add(flow)
-    await session.flush()
-    return _view(flow)
+    values = {
+        "id": random_token(),
+        "issuer": caller.principal.issuer,
+        "subject": caller.principal.subject,
+        "client_id": caller.client_id,
+        "client_name": (client_name or "")[:255] or None,
+        "audience": audience,
+        "provider": provider,
+        "scopes": " ".join(scopes),
+        "tool_name": tool_name,
+        "args_digest": args_digest,
+        "status": FlowStatus.pending,
+        "created_at": now,
+        "updated_at": now,
+        "expires_at": now + timedelta(seconds=ttl_seconds),
+    }
+    await session.execute(insert(Flow).values(**values))  # Core: this is the hot path
+    return _view(Flow(**values))
 
 
 async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:

@@ -45,8 +45,12 @@ class InvalidInputResponse(BrokerError):
 class UserRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    issuer: str = Field(max_length=255, description="the `iss` of the user's MCP access token")
-    subject: str = Field(max_length=255, description="the user's identity claim (`sub`)")
+    issuer: str = Field(
+        min_length=1, max_length=255, description="the `iss` of the user's MCP access token"
+    )
+    subject: str = Field(
+        min_length=1, max_length=255, description="the user's identity claim (`sub`)"
+    )
 
 
 class RequireRequest(BaseModel):
@@ -96,6 +100,27 @@ class ConnectOutcome(BaseModel):
     message: str | None = None
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+class ConnectionItem(BaseModel):
+    provider: str
+    account: str | None = None
+    status: str = Field(description="`active` or `needs_reauth`")
+    owner: str = Field(
+        description='the audience that made it: this service, one it shares from, or "mcp"'
+    )
+    connected_at: datetime
+
+
+class ConnectionList(BaseModel):
+    connections: list[ConnectionItem]
+
+
+class Disconnection(BaseModel):
+    provider: str
+    status: Literal["disconnected"] = "disconnected"
+    revoked_upstream: bool = Field(description="the provider confirmed the revocation")
+    upstream_failed: bool = Field(description="the provider refused or failed the revocation")
 
 
 def readable_audiences(runtime: Runtime, service: Service) -> tuple[str, ...]:

@@ -6,24 +6,34 @@ gets either the credential, an input-required payload to return verbatim as its 
 `InputRequiredResult` (a URL-mode elicitation for a flow the page attributes to the sibling), or a
 missing-capability answer to turn into `-32021`. Connections it creates belong to its audience;
 it reads only those, plus the audiences `[services.<name>] share_from` names.
-Errors are `application/problem+json` with a stable `type`.
+Errors are `application/problem+json` with a stable `type`, including a body or query that does not
+match the schema (FastAPI's default 422 would be plain JSON echoing the input back).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+from starlette.responses import JSONResponse, Response
 
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
 from app.deps import RuntimeDep, SessionDep
-from app.errors import BrokerError
+from app.errors import BrokerError, render_error
 from app.integration_api import services
 from app.integration_api.broker import (
+    ConnectionItem,
+    ConnectionList,
     ConnectOutcome,
     CredentialView,
+    Disconnection,
     RequireRequest,
     ResumeRequest,
     readable_audiences,
@@ -33,8 +43,6 @@ from app.integration_api.broker import (
 )
 from app.integration_api.services import Service
 from app.runtime import Runtime
-
-router = APIRouter(prefix="/api/v1", tags=["integration"])
 
 
 class InvalidServiceCredentials(BrokerError):
@@ -72,13 +80,100 @@ class UnknownIssuer(BrokerError):
     message = "The user's issuer must be the identity provider this broker trusts."
 
 
-async def calling_service(request: Request, runtime: RuntimeDep, session: SessionDep) -> Service:
-    authorization = request.headers.get("authorization", "")
-    scheme, _, secret = authorization.partition(" ")
+class InvalidRequest(BrokerError):
+    status_code = 422
+    code = "invalid_request"
+    title = "Invalid request"
+    message = "The request body or query does not match the documented schema; see `errors`."
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details; `type` is stable per error."""
+
+    type: str = Field(examples=["urn:connect-broker:error:not_connected"])
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="422 only: where the request is wrong (`loc`, `msg`, `type`)"
+    )
+
+
+def _problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the problem responses a route can give."""
+    content = {"application/problem+json": {"schema": Problem.model_json_schema()}}
+    return {status: {"description": "problem details", "content": content} for status in statuses}
+
+
+def _invalid_request(exc: RequestValidationError) -> Response:
+    """422 as problem JSON. Only where and what: pydantic's `input` and `ctx` echo the caller's
+    values back (a secret sent in the wrong field would land in the response and in logs)."""
+    problem = Problem(
+        type=f"urn:connect-broker:error:{InvalidRequest.code}",
+        title=InvalidRequest.title,
+        status=InvalidRequest.status_code,
+        detail=InvalidRequest.message,
+        errors=[
+            {"loc": list(error.get("loc", ())), "msg": error.get("msg"), "type": error.get("type")}
+            for error in exc.errors()
+        ],
+    )
+    return JSONResponse(
+        problem.model_dump(),
+        status_code=InvalidRequest.status_code,
+        media_type="application/problem+json",
+    )
+
+
+class ProblemRoute(APIRoute):
+    """Renders this router's own failures that the app-wide handlers render differently.
+
+    A request that fails validation becomes problem JSON (the app's default handler answers plain
+    JSON, and only /api/v1 promises problem JSON everywhere); a 401 carries `WWW-Authenticate`.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handle_with_problems(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except RequestValidationError as exc:
+                return _invalid_request(exc)
+            except InvalidServiceCredentials as exc:
+                response = render_error(request, exc)
+                response.headers["WWW-Authenticate"] = 'Bearer realm="connect-broker"'
+                return response
+
+        return handle_with_problems
+
+
+router = APIRouter(
+    prefix="/api/v1",
+    tags=["integration"],
+    route_class=ProblemRoute,
+    responses=_problems(401, 422),
+)
+service_secret = HTTPBearer(
+    auto_error=False,
+    scheme_name="ServiceSecret",
+    description="The secret `connect-broker service create` printed (`cbs_…`).",
+)
+UserIssuer = Annotated[str, Query(min_length=1, max_length=255, description="the user's `iss`")]
+UserSubject = Annotated[
+    str, Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)")
+]
+
+
+async def calling_service(
+    runtime: RuntimeDep,
+    session: SessionDep,
+    presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
+) -> Service:
     service = None
-    if scheme.lower() == "bearer" and secret:
+    if presented is not None:
         service = await services.authenticate(
-            session, keys=runtime.signing_keys, secret=secret.strip()
+            session, keys=runtime.signing_keys, secret=presented.credentials
         )
     if service is None:
         raise InvalidServiceCredentials()
@@ -105,6 +200,7 @@ def _principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
     "/connections/{provider}/require",
     response_model=ConnectOutcome,
     response_model_exclude_none=True,
+    responses=_problems(400, 403, 404),
 )
 async def require(
     provider: str, body: RequireRequest, runtime: RuntimeDep, service: CallingService
@@ -119,6 +215,7 @@ async def require(
     "/connections/{provider}/resume",
     response_model=ConnectOutcome,
     response_model_exclude_none=True,
+    responses=_problems(400, 403, 404),
 )
 async def resume(
     provider: str, body: ResumeRequest, runtime: RuntimeDep, service: CallingService
@@ -130,14 +227,17 @@ async def resume(
 
 
 @router.get(
-    "/credentials/{provider}", response_model=CredentialView, response_model_exclude_none=True
+    "/credentials/{provider}",
+    response_model=CredentialView,
+    response_model_exclude_none=True,
+    responses=_problems(400, 403, 404),
 )
 async def credential(
     provider: str,
     runtime: RuntimeDep,
     service: CallingService,
-    issuer: Annotated[str, Query()],
-    subject: Annotated[str, Query()],
+    issuer: UserIssuer,
+    subject: UserSubject,
 ) -> CredentialView:
     """A usable credential (OAuth access tokens are refreshed first when they expire soon)."""
     _provider(runtime, service, provider)
@@ -147,40 +247,41 @@ async def credential(
     return found
 
 
-@router.get("/connections")
+@router.get("/connections", responses=_problems(400))
 async def list_connections(
     runtime: RuntimeDep,
     session: SessionDep,
     service: CallingService,
-    issuer: Annotated[str, Query()],
-    subject: Annotated[str, Query()],
-) -> dict[str, Any]:
+    issuer: UserIssuer,
+    subject: UserSubject,
+) -> ConnectionList:
+    """The user's connections this service can read: its own and those it shares from."""
     principal = _principal(runtime, issuer, subject)
     items = []
     for audience in readable_audiences(runtime, service):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
             if service.may_use(row.provider):
                 items.append(
-                    {
-                        "provider": row.provider,
-                        "account": row.account_label,
-                        "status": row.status,
-                        "owner": audience,
-                        "connected_at": row.connected_at.isoformat(),
-                    }
+                    ConnectionItem(
+                        provider=row.provider,
+                        account=row.account_label,
+                        status=row.status,
+                        owner=audience,
+                        connected_at=row.connected_at,
+                    )
                 )
-    return {"connections": items}
+    return ConnectionList(connections=items)
 
 
-@router.delete("/connections/{provider}")
+@router.delete("/connections/{provider}", responses=_problems(400, 403, 404))
 async def delete_connection(
     provider: str,
     runtime: RuntimeDep,
     session: SessionDep,
     service: CallingService,
-    issuer: Annotated[str, Query()],
-    subject: Annotated[str, Query()],
-) -> dict[str, Any]:
+    issuer: UserIssuer,
+    subject: UserSubject,
+) -> Disconnection:
     """Revoke upstream (where supported) and delete the service's own connection."""
     _provider(runtime, service, provider)
     outcome = await disconnection.disconnect(
@@ -192,9 +293,8 @@ async def delete_connection(
     )
     if not outcome.existed:
         raise NotConnected()
-    return {
-        "provider": provider,
-        "status": "disconnected",
-        "revoked_upstream": outcome.revoked_upstream,
-        "upstream_failed": outcome.upstream_failed,
-    }
+    return Disconnection(
+        provider=provider,
+        revoked_upstream=outcome.revoked_upstream,
+        upstream_failed=outcome.upstream_failed,
+    )

@@ -100,12 +100,12 @@ class CallToolRound:
                 name=self.tool.name,
                 arguments_digest=self.digest,
             )
-        finished_flow: str | None = None
+        finished_flow: FlowView | None = None
         if state is not None and state.flow_id is not None:
-            answer = await self._resume_flow(state.flow_id, state.input_key or "")
-            if answer is not None:
-                return answer
-            finished_flow = state.flow_id
+            resumed = await self._resume_flow(state.flow_id, state.input_key or "")
+            if not isinstance(resumed, FlowView):
+                return resumed  # still waiting, declined, cancelled or expired
+            finished_flow = resumed
         call = ToolCall(
             name=self.tool.name,
             arguments=self.arguments,
@@ -120,10 +120,14 @@ class CallToolRound:
             outcome = await self.tool.handler(call)
         except ConnectionRequired as need:
             return await self._start_flow(need)
-        if finished_flow is not None and isinstance(outcome, ToolResult):
+        if (
+            finished_flow is not None
+            and finished_flow.status == FlowStatus.completed  # consumed already: no write
+            and isinstance(outcome, ToolResult)
+        ):
             async with self.runtime.sessionmaker.begin() as session:
                 await flows.mark_consumed(
-                    session, flow_id=finished_flow, principal=self.caller.principal
+                    session, flow_id=finished_flow.id, principal=self.caller.principal
                 )
         return self._shape(outcome)
 
@@ -207,8 +211,8 @@ class CallToolRound:
         }
         return self._input_required({key: request}, flow_id=flow.id, input_key=key)
 
-    async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | None:
-        """The answer for a retry of a connect round, or None when the flow is done."""
+    async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | FlowView:
+        """The answer for a retry of a connect round, or the flow itself when it is done."""
         principal = self.caller.principal
         response = self.input_responses.get(key)
         action = response.get("action") if isinstance(response, dict) else None
@@ -222,13 +226,13 @@ class CallToolRound:
                 )
                 flow = await flows.get_for(session, flow_id=flow_id, principal=principal)
             if flow is not None and flow.is_done and not ended:
-                return None
+                return flow
             return self._ended(flow, status)
         # accept (or no answer at all): wait for the browser side, bounded.
         timeout = self.runtime.settings.server.retry_wait_seconds if action == "accept" else 0
         flow = await wait_for_flow(self.runtime, flow_id, self.caller.principal, timeout)
         if flow is not None and flow.is_done:
-            return None
+            return flow
         if flow is not None and flow.is_open:
             return self._elicit(flow)
         return self._ended(flow, flow.outcome if flow else FlowStatus.expired)

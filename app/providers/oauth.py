@@ -227,7 +227,12 @@ async def _token_request(
     )
     request.headers.update(_basic_header(provider))
     status, content_type, raw = await _send_capped(provider, http, request)
-    body = _parse(content_type, raw)
+    try:
+        body = _parse(content_type, raw)
+    except UpstreamError:
+        if not 200 <= status < 300:  # an error page: the status is the useful reason (F1)
+            raise UpstreamError(f"token_status_{status}") from None
+        raise
     error = body.get("error")
     if error:
         kind = InvalidGrant if str(error) in INVALID_GRANT_ERRORS else UpstreamError

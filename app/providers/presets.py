@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 PRESETS: dict[str, dict[str, Any]] = {
     "github": {
         "kind": "oauth2",
@@ -61,7 +63,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "authorize_url": "https://login.microsoftonline.com/common/oauth2/v2.0/authorize",
         "token_url": "https://login.microsoftonline.com/common/oauth2/v2.0/token",
         "userinfo_url": "https://graph.microsoft.com/oidc/userinfo",
-        "scopes": ["openid", "profile", "offline_access", "User.Read"],
+        # userinfo carries `email` (the account label) only when the email scope was granted
+        "scopes": ["openid", "profile", "email", "offline_access", "User.Read"],
         "account_label_claim": "email",
     },
     "atlassian": {
@@ -88,6 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "display_name": "Notion",
         "authorize_url": "https://api.notion.com/v1/oauth/authorize",
         "token_url": "https://api.notion.com/v1/oauth/token",
+        "client_auth_method": "client_secret_basic",  # its token endpoint wants HTTP Basic
         "scopes": [],
         "account_label_claim": "workspace_name",  # read from the token response
         "authorize_params": {"owner": "user"},
@@ -96,8 +100,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def apply_preset(values: dict[str, Any]) -> dict[str, Any]:
-    """The table's values over the named preset's (unknown preset names are left to validation)."""
-    preset = PRESETS.get(str(values.get("preset")))
-    if preset is None:
+    """The table's values over the named preset's.
+
+    Raises:
+        ValidationError: an unknown preset name, located at `preset` (checked here, before the
+            missing `kind` or `display_name` a preset would have supplied hides it).
+    """
+    if "preset" not in values:
         return values
+    preset = PRESETS.get(values["preset"]) if isinstance(values["preset"], str) else None
+    if preset is None:
+        *others, last = (repr(name) for name in PRESETS)
+        raise ValidationError.from_exception_data(
+            "preset",
+            [
+                {
+                    "type": "literal_error",
+                    "loc": ("preset",),
+                    "input": values["preset"],
+                    "ctx": {"expected": f"{', '.join(others)} or {last}"},
+                }
+            ],
+        )
     return {**preset, **values}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -80,6 +82,16 @@ PresetName = Literal[
 HTTP_URL = re.compile(r"^https?://[^\s/?#@]+(/[^\s#]*)?$")
 
 
+def _is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class OAuthProviderSettings(_Provider):
     """An OAuth 2.0 authorization server (`oauth2`) or an OpenID provider (`oidc`)."""
 
@@ -108,8 +120,13 @@ class OAuthProviderSettings(_Provider):
     )
     @classmethod
     def _urls(cls, value: str | None) -> str | None:
-        if value is not None and not HTTP_URL.match(value):
+        if value is None:
+            return value
+        if not HTTP_URL.match(value):
             raise ValueError("must be an absolute http(s) URL without user info")
+        # RFC 6749 §3.1, §3.2: codes, tokens and the client secret travel only over TLS
+        if value.startswith("http://") and not _is_loopback(value):
+            raise ValueError("must use https (http is allowed only for loopback hosts)")
         return value
 
     @model_validator(mode="after")

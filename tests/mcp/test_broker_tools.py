@@ -307,8 +307,12 @@ async def test_list_providers_marks_which_are_connected(
     theirs = complete(await mcp.call_tool(stranger, "list_providers"))
 
     demo = {"name": "demo", "kind": "api_key", "display_name": "Demo"}
-    assert mine["structuredContent"] == {"providers": [{**demo, "connected": True}]}
-    assert theirs["structuredContent"] == {"providers": [{**demo, "connected": False}]}
+    others = [
+        {"name": "github", "kind": "oauth2", "display_name": "GitHub", "connected": False},
+        {"name": "acme", "kind": "oidc", "display_name": "Acme", "connected": False},
+    ]
+    assert mine["structuredContent"] == {"providers": [{**demo, "connected": True}, *others]}
+    assert theirs["structuredContent"] == {"providers": [{**demo, "connected": False}, *others]}
 
 
 async def test_disconnect_is_reflected_by_both_listings(
