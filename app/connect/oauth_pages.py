@@ -8,12 +8,13 @@ from fastapi import APIRouter, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.responses import RedirectResponse, Response
 
+from app.auth.jwks import JwksUnavailable
 from app.connect import oauth_service
 from app.connect.oauth_service import CallbackRefused
-from app.connect.pages import SignInRequired, flow_for_user, posted_form, show_flow
+from app.connect.pages import flow_for_user, signed_in_post
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
-from app.errors import BadLogin, BrokerError, NotFound
+from app.errors import BrokerError, NotFound
 from app.models import FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
@@ -38,10 +39,7 @@ class StartUnavailable(BrokerError):
 async def start(
     request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
 ) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    await posted_form(request, runtime, user)
+    user, _ = await signed_in_post(request, runtime, session)
     flow = await flow_for_user(runtime, session, flow_id, user)
     provider = runtime.settings.providers.get(flow.provider)
     if not isinstance(provider, OAuthProviderSettings):
@@ -111,15 +109,25 @@ async def _checked(
     if (code is None) == (error is None):
         raise CallbackRefused(400, "code_xor_error", flow)
     provider = runtime.settings.providers.get(flow.provider)
-    issuer = params.get("iss")
-    if (
-        isinstance(provider, OAuthProviderSettings)
-        and issuer is not None
-        and provider.issuer
-        and issuer != provider.issuer
+    if isinstance(provider, OAuthProviderSettings) and not await _issuer_ok(
+        runtime, provider, params.get("iss")
     ):
         raise CallbackRefused(400, "issuer_mismatch", flow)
     return flow, state
+
+
+async def _issuer_ok(runtime: Runtime, provider: OAuthProviderSettings, issuer: str | None) -> bool:
+    """RFC 9207: a differing `iss` is refused; a missing one too when the provider says it sends
+    one (mix-up defence, SECURITY.md E14)."""
+    if provider.issuer is None:
+        return True
+    if issuer is not None:
+        return issuer == provider.issuer
+    try:
+        metadata = await runtime.provider_jwks(provider.issuer).metadata()
+    except JwksUnavailable:
+        return True  # discovery is down: the exchange itself will fail closed
+    return metadata.get("authorization_response_iss_parameter_supported") is not True
 
 
 async def _exchange_and_store(
@@ -179,6 +187,3 @@ def _refusal(request: Request, refused: CallbackRefused) -> Response:
         message=message,
         next_step="Go back to your MCP client and ask it to try again for a new link.",
     )
-
-
-__all__ = ["BadLogin", "router", "show_flow"]

@@ -101,6 +101,21 @@ async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> 
     return values
 
 
+async def signed_in_post(
+    request: Request, runtime: Runtime, session: AsyncSession
+) -> tuple[BrowserUser, dict[str, str]]:
+    """The signed-in user and the form of a same-origin POST carrying their CSRF token.
+
+    Raises:
+        SignInRequired: no live browser session.
+        CsrfFailed: cross-site, or a missing or foreign CSRF token.
+    """
+    user = await runtime.browser_sessions.current(session, request)
+    if user is None:
+        raise SignInRequired()
+    return user, await posted_form(request, runtime, user)
+
+
 @router.get("/connect/{flow_id}", name="connect:page")
 async def connect_page(
     request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
@@ -168,10 +183,7 @@ def show_flow(
 async def submit_api_key(
     request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
 ) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    values = await posted_form(request, runtime, user)
+    user, values = await signed_in_post(request, runtime, session)
     flow = await flow_for_user(runtime, session, flow_id, user)
     provider = runtime.settings.providers.get(flow.provider)
     if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
@@ -217,10 +229,7 @@ async def submit_api_key(
 async def decline(
     request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
 ) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    await posted_form(request, runtime, user)
+    user, _ = await signed_in_post(request, runtime, session)
     flow = await flow_for_user(runtime, session, flow_id, user)
     if await flows.transition(
         session,
@@ -266,10 +275,7 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
 async def disconnect(
     request: Request, provider: str, runtime: RuntimeDep, session: SessionDep
 ) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    await posted_form(request, runtime, user)
+    user, _ = await signed_in_post(request, runtime, session)
     if provider not in runtime.settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     await credentials.remove(session, principal=user.principal, provider=provider, audience="mcp")
