@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     SecretStr,
     TypeAdapter,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -106,7 +107,7 @@ class OAuthProviderSettings(_Provider):
     revocation: Literal["rfc7009", "github", "none"] = "rfc7009"
     issuer: str | None = None
     api_base_url: str | None = None
-    scopes: tuple[str, ...] = ()
+    scopes: tuple[str, ...] = Field(default=(), validate_default=True)
     scope_separator: str = " "
     pkce: bool = True
     client_auth_method: Literal["client_secret_basic", "client_secret_post"] = "client_secret_post"
@@ -127,6 +128,18 @@ class OAuthProviderSettings(_Provider):
         # RFC 6749 §3.1, §3.2: codes, tokens and the client secret travel only over TLS
         if value.startswith("http://") and not _is_loopback(value):
             raise ValueError("must use https (http is allowed only for loopback hosts)")
+        return value
+
+    @field_validator("scopes")
+    @classmethod
+    def _oidc_asks_for_openid(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        """Without `openid` an OpenID provider returns no ID token, and every exchange fails."""
+        if info.data.get("kind") != "oidc":
+            return value
+        if not value:
+            return ("openid",)
+        if "openid" not in value:
+            raise ValueError("an oidc provider must ask for the openid scope")
         return value
 
     @model_validator(mode="after")
