@@ -295,6 +295,11 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
     for name, values in raw.get("providers", {}).items():
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
             raise ConfigError(f"providers.{name}: names are lowercase letters, digits, - and _")
+        if isinstance(values.get("scopes"), str):  # from the environment: a comma list
+            values = {
+                **values,
+                "scopes": [v.strip() for v in values["scopes"].split(",") if v.strip()],
+            }
         try:
             providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:

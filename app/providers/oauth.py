@@ -112,7 +112,7 @@ async def exchange_code(
     if provider.pkce:
         data["code_verifier"] = verifier
     body = await _token_request(provider, http, token_url, data)
-    return _token_set(body, requested)
+    return _token_set(body, requested, provider.token_types)
 
 
 async def refresh(
@@ -131,7 +131,7 @@ async def refresh(
     """
     data = {"grant_type": "refresh_token", "refresh_token": refresh_token}
     body = await _token_request(provider, http, token_url, data)
-    return _token_set(body, tuple(sorted(current_scopes)))
+    return _token_set(body, tuple(sorted(current_scopes)), provider.token_types)
 
 
 async def account_label(
@@ -286,12 +286,14 @@ def _parse(content_type: str, raw: bytes) -> dict[str, Any]:
     return document
 
 
-def _token_set(body: dict[str, Any], requested: tuple[str, ...]) -> TokenSet:
+def _token_set(
+    body: dict[str, Any], requested: tuple[str, ...], token_types: tuple[str, ...] = ("bearer",)
+) -> TokenSet:
     access_token = body.get("access_token")
     if not isinstance(access_token, str) or not access_token:
         raise UpstreamError("missing_access_token")
     token_type = str(body.get("token_type", "bearer"))
-    if token_type.lower() != "bearer":
+    if token_type.lower() not in token_types:
         raise UpstreamError("unsupported_token_type")
     refresh_token = body.get("refresh_token")
     expires_in = body.get("expires_in")

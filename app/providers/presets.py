@@ -56,6 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scopes": ["users:read"],
         "scope_separator": ",",
         "account_label_claim": "team.name",
+        "token_types": ["bearer", "bot"],  # oauth.v2.access answers token_type "bot"
     },
     "microsoft": {
         "kind": "oauth2",

@@ -40,6 +40,8 @@ class ApiKeyValidation(BaseModel):
     def _url(cls, value: str) -> str:
         if not re.match(r"^https?://[^\s/?#@]+(/[^\s#]*)?$", value):
             raise ValueError("must be an absolute http(s) URL without user info")
+        if value.startswith("http://") and not _is_loopback(value):  # the key travels in it
+            raise ValueError("must use https (http is allowed only for loopback hosts)")
         return value
 
     @field_validator("header")
@@ -114,6 +116,7 @@ class OAuthProviderSettings(_Provider):
     account_label_claim: str | None = None
     account_label_prefix: str = ""
     authorize_params: dict[str, str] = Field(default_factory=dict)
+    token_types: tuple[str, ...] = ("bearer",)  # accepted `token_type`s, compared lower-case
     timeout_seconds: float = Field(default=10, gt=0, le=60)
 
     @field_validator(
