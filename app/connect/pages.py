@@ -20,6 +20,7 @@ from starlette.responses import RedirectResponse, Response
 
 from app import credentials
 from app.auth.browser import BrowserUser, same_origin_post
+from app.connect import disconnect as disconnection
 from app.connect import service as flows
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
@@ -278,7 +279,18 @@ async def disconnect(
     user, _ = await signed_in_post(request, runtime, session)
     if provider not in runtime.settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
-    await credentials.remove(session, principal=user.principal, provider=provider, audience="mcp")
+    outcome = await disconnection.disconnect(
+        session, runtime, principal=user.principal, provider=provider, audience="mcp"
+    )
+    if outcome.upstream_failed:
+        return render(
+            request,
+            "errors/error.html",
+            title="Disconnected here; revoke it at the provider too",
+            message="The connection was removed from the broker, but the provider could not "
+            "confirm revoking its grant.",
+            next_step="Revoke the app's access in the provider's settings.",
+        )
     return RedirectResponse("/connections", status_code=303)
 
 

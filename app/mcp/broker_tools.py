@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from app import credentials
+from app.connect.disconnect import disconnect
 from app.mcp.protocol import invalid_params, missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
@@ -144,12 +145,25 @@ class BrokerTools:
             return _confirm(call, name, credential.account_label, provider)
         if answer.get("action") == "accept" and _confirmed(answer):
             async with self.runtime.sessionmaker.begin() as session:
-                await credentials.remove(
-                    session, principal=call.caller.principal, provider=provider, audience=AUDIENCE
+                outcome = await disconnect(
+                    session,
+                    self.runtime,
+                    principal=call.caller.principal,
+                    provider=provider,
+                    audience=AUDIENCE,
                 )
+            note = (
+                f" {name} could not confirm revoking its grant; revoke it there too."
+                if outcome.upstream_failed
+                else ""
+            )
             return ToolResult(
-                text=f"{name} was disconnected.",
-                structured={"provider": provider, "status": "disconnected"},
+                text=f"{name} was disconnected.{note}",
+                structured={
+                    "provider": provider,
+                    "status": "disconnected",
+                    "revoked_upstream": outcome.revoked_upstream,
+                },
             )
         return ToolResult(
             text=f"{name} stays connected.",

@@ -130,7 +130,11 @@ async def test_disconnect_confirmed_removes_the_connection(
 
     result = complete(response)
     assert "isError" not in result
-    assert result["structuredContent"] == {"provider": "demo", "status": "disconnected"}
+    assert result["structuredContent"] == {
+        "provider": "demo",
+        "status": "disconnected",
+        "revoked_upstream": False,
+    }
     assert await count_rows(db, "connections", subject=user) == 0
     assert API_KEY not in response.text
 

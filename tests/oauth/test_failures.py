@@ -1,0 +1,414 @@
+"""Third-party failures during the OAuth legs of a connect flow (SECURITY.md F1-F10).
+
+The fake GitHub answers the token endpoint badly in one way per test. Whatever it does, the broker
+spends the code once, stores nothing, logs a reason (never the body), puts the flow back to
+`pending` and shows the user a page that says what happened with a button to try again.
+F2, F3 and F10 use a dedicated broker whose GitHub provider has a 2 s deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import create_engine
+
+from ..conftest import count_rows, flow_row, github_provider
+from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.clients import Browser, McpHttp
+from ..support.fake_github import FakeGitHub, TokenFault
+from ..support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
+from .flows import (
+    LogWindow,
+    authorize,
+    code_of,
+    elicit,
+    fresh_user,
+    press_continue,
+    return_to_broker,
+    tool_result,
+)
+
+DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds
+SLACK_SECONDS = 3.0  # process and network overhead allowed on top of a deadline
+TRY_AGAIN = "GitHub had a problem completing the connection. Nothing was stored; try again."
+TOO_SLOW = "GitHub did not answer in time. Nothing was stored; try again."
+CONTINUE_BUTTON = 'data-action="continue"'
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake(fake_github: FakeGitHub) -> Iterator[None]:
+    """The session fake keeps counters and faults: every test starts (and leaves) it clean."""
+    fake_github.reset()
+    yield
+    fake_github.reset()
+
+
+async def at_callback(
+    mcp: McpHttp, browser: Browser, token: str, user: str, provider: str = "github"
+) -> tuple[str, str]:
+    """A flow the user approved at the provider: (flow id, callback URL not yet delivered)."""
+    round_one = await elicit(mcp, token, {"provider": provider})
+    await browser.login_as(user, next_path=f"/connect/{round_one.flow_id}")
+    return round_one.flow_id, await authorize(browser, round_one.flow_id)
+
+
+async def assert_nothing_stored(db: AsyncEngine, flow_id: str, user: str, *, reason: str) -> None:
+    """The failed exchange put the flow back to `pending` with its reason; no credential."""
+    row = await flow_row(db, flow_id) or {}
+    assert row["status"] == "pending", row
+    assert row["failure"] == reason
+    assert row["sealed_pkce_verifier"] is None
+    assert await count_rows(db, "connections", subject=user) == 0
+
+
+async def test_f1_token_endpoint_500_fails_once_and_a_new_start_completes_the_flow(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F1. A provider error is not retried (the code may be spent): one token call, nothing
+    stored, the flow is pending again and "Continue" starts over with a new state."""
+    user = fresh_user("f1")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    first_state = fake_github.authorize_requests[-1]["state"]
+    fake_github.token_fault = "500"
+    log = LogWindow(broker)
+
+    callback = await return_to_broker(browser, callback_url)
+    page = await browser.get(f"/connect/{flow_id}")
+    token_calls = fake_github.token_calls
+    await assert_nothing_stored(db, flow_id, user, reason="token_status_500")
+    fake_github.reset()
+    again = await return_to_broker(browser, await authorize(browser, flow_id))
+    done = await browser.get(f"/connect/{flow_id}")
+
+    assert callback.status_code == 303 and callback.headers["location"] == f"/connect/{flow_id}"
+    assert token_calls == 1
+    assert page.status_code == 200
+    assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
+    assert f"token_exchange.failed flow_id={flow_id} reason=token_status_500" in log.text()
+    assert fake_github.authorize_requests[-1]["state"] != first_state
+    assert again.status_code == 303
+    assert "Connected as <strong>@octocat</strong>" in done.text
+    assert (await flow_row(db, flow_id) or {})["status"] == "completed"
+    assert await count_rows(db, "connections", subject=user, provider="github") == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "content_type"), [("html", "text/html"), ("truncated", "application/json")]
+)
+async def test_f4_malformed_token_response_fails_and_only_its_type_and_length_are_logged(
+    fault: TokenFault,
+    content_type: str,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F4. An unparseable body fails the exchange; the log says what it was, never what it said
+    (a truncated body still carries part of the token)."""
+    user = fresh_user("f4")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    fake_github.token_fault = fault
+    log = LogWindow(broker)
+
+    callback = await return_to_broker(browser, callback_url)
+    page = await browser.get(f"/connect/{flow_id}")
+
+    assert callback.status_code == 303
+    await assert_nothing_stored(db, flow_id, user, reason="malformed_response")
+    assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
+    logged = log.text()
+    assert re.search(rf"oauth\.response status=200 type={content_type} bytes=[1-9]\d*\n", logged)
+    assert "Unicorn" not in logged and "gho_CANARYTOKEN" not in logged
+    assert '{"access_token"' not in logged
+
+
+async def test_f5_code_refused_in_a_200_body_fails_the_exchange(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F5 (and T3a). GitHub refuses a spent code or a wrong PKCE verifier with HTTP 200 and
+    `bad_verification_code`: the broker reads the body, not just the status."""
+    user = fresh_user("f5")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    async with httpx2.AsyncClient(trust_env=False) as http:  # someone spends the code first
+        spent = await http.post(
+            fake_github.token_url,
+            data={
+                "code": code_of(callback_url),
+                "code_verifier": "not-the-flows-verifier",
+                "client_id": fake_github.client_id,
+                "client_secret": fake_github.client_secret,
+            },
+            headers={"Accept": "application/json"},
+        )
+    log = LogWindow(broker)
+
+    callback = await return_to_broker(browser, callback_url)
+    page = await browser.get(f"/connect/{flow_id}")
+
+    assert spent.status_code == 200 and spent.json()["error"] == "bad_verification_code"
+    assert callback.status_code == 303
+    assert fake_github.token_calls == 2
+    await assert_nothing_stored(db, flow_id, user, reason="provider_error:bad_verification_code")
+    assert TRY_AGAIN in page.text
+    assert "reason=provider_error:bad_verification_code" in log.text()
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("missing_token", "missing_access_token"), ("mac", "unsupported_token_type")],
+)
+async def test_f6_success_without_a_usable_bearer_token_stores_nothing(
+    fault: TokenFault,
+    reason: str,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+) -> None:
+    """F6. A 200 without `access_token`, or with a token type other than bearer, is a failure:
+    no empty or unusable credential is stored."""
+    user = fresh_user("f6")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    fake_github.token_fault = fault
+
+    callback = await return_to_broker(browser, callback_url)
+    page = await browser.get(f"/connect/{flow_id}")
+
+    assert callback.status_code == 303
+    assert fake_github.token_calls == 1
+    await assert_nothing_stored(db, flow_id, user, reason=reason)
+    assert TRY_AGAIN in page.text
+
+
+async def test_f7_huge_token_response_is_cut_off_at_the_size_cap(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F7. A 5 MB answer is not read to the end: the exchange stops at 64 KiB and fails."""
+    user = fresh_user("f7")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    fake_github.token_fault = "huge"
+    log = LogWindow(broker)
+
+    callback = await return_to_broker(browser, callback_url)
+
+    assert callback.status_code == 303
+    await assert_nothing_stored(db, flow_id, user, reason="response_too_large")
+    assert f"token_exchange.failed flow_id={flow_id} reason=response_too_large" in log.text()
+    assert "xxxxxxxx" not in log.text()
+
+
+async def test_f8_redirect_to_the_metadata_address_is_not_followed(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F8 (T16). A 302 from the token endpoint fails the exchange as a redirect; no request
+    goes to 169.254.169.254 (following it would end as a network error or a timeout)."""
+    user = fresh_user("f8")
+    flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
+    fake_github.token_fault = "redirect"
+    log = LogWindow(broker)
+
+    started = time.monotonic()
+    callback = await return_to_broker(browser, callback_url)
+    elapsed = time.monotonic() - started
+
+    assert callback.status_code == 303
+    assert elapsed < SLACK_SECONDS
+    await assert_nothing_stored(db, flow_id, user, reason="redirect_302")
+    assert "oauth.response status=302" in log.text()
+    assert f"token_exchange.failed flow_id={flow_id} reason=redirect_302" in log.text()
+    assert "169.254.169.254" not in log.text()
+
+
+async def test_f9_failed_profile_call_keeps_the_connection_without_a_name(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    broker: BrokerProcess,
+) -> None:
+    """F9, policy A (our decision): the token is good, so the connection is stored; the page
+    says "connected" without a login name and the failure is logged as a warning."""
+    user = fresh_user("f9")
+    token = token_for(user)
+    round_one = await elicit(mcp, token)
+    await browser.login_as(user, next_path=f"/connect/{round_one.flow_id}")
+    callback_url = await authorize(browser, round_one.flow_id)
+    fake_github.user_fault = "500"
+    log = LogWindow(broker)
+
+    callback = await return_to_broker(browser, callback_url)
+    page = await browser.get(f"/connect/{round_one.flow_id}")
+    retry = await mcp.call_tool(
+        token,
+        "connect_account",
+        {"provider": "github"},
+        input_responses={round_one.key: {"action": "accept"}},
+        request_state=round_one.request_state,
+    )
+
+    assert callback.status_code == 303
+    assert fake_github.user_calls == 1
+    assert "GitHub is connected" in page.text and "Connected as" not in page.text
+    assert (
+        "WARNING broker.providers oauth.account_label_failed provider=GitHub reason=status_500"
+        in (log.text())
+    )
+    assert tool_result(retry)["structuredContent"] == {
+        "provider": "github",
+        "status": "connected",
+        "account": None,
+    }
+    assert await count_rows(db, "connections", subject=user, provider="github") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# F2, F3, F10: a dedicated broker with a short provider deadline and a provider that is down
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dedicated:
+    idp: IdpProcess
+    broker: BrokerProcess
+    fake: FakeGitHub
+
+
+@pytest.fixture(scope="module")
+def dedicated(workdir: Any) -> Iterator[Dedicated]:
+    """A broker whose `github` gives up after 2 s and whose `ghdown` points at a closed port,
+    with its own IdP (which knows its login callback) and its own fake GitHub."""
+    port = free_port()
+    idp_config = IdpConfig(
+        resources=[f"http://127.0.0.1:{port}/mcp"],
+        clients=[
+            client_metadata(
+                "broker-login",
+                [f"http://127.0.0.1:{port}/login/callback"],
+                client_secret="broker-login-secret",
+            )
+        ],
+    )
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    redirect_uri = f"http://127.0.0.1:{port}/oauth/github/callback"
+    with running_idp(idp_config, workdir) as idp, FakeGitHub(redirect_uri=redirect_uri) as fake:
+        github = {**github_provider(fake), "timeout_seconds": DEADLINE_SECONDS}
+        ghdown = {
+            **github_provider(fake),
+            "display_name": "GitHub Down",
+            "authorize_url": f"{down}/login/oauth/authorize",
+            "token_url": f"{down}/login/oauth/access_token",
+        }
+        config = BrokerConfig(
+            issuer=idp.issuer, port=port, providers={"github": github, "ghdown": ghdown}
+        )
+        name = f"deadline-{secrets.token_hex(3)}"
+        with running_broker(config, workdir, name=name) as broker:
+            yield Dedicated(idp, broker, fake)
+
+
+@dataclass(frozen=True)
+class DedicatedClients:
+    mcp: McpHttp
+    browser: Browser
+    db: AsyncEngine
+    fake: FakeGitHub
+
+    def token(self, dedicated: Dedicated, user: str) -> str:
+        return mint_token(
+            dedicated.idp.signing_jwk,
+            issuer=dedicated.idp.issuer,
+            audience=dedicated.broker.mcp_url,
+            subject=user,
+        )
+
+
+@pytest.fixture
+async def clients(dedicated: Dedicated) -> AsyncIterator[DedicatedClients]:
+    dedicated.fake.reset()
+    engine = create_engine(dedicated.broker.database_url, pool_size=1)
+    mcp, browser = McpHttp(dedicated.broker.mcp_url), Browser(dedicated.broker.url)
+    yield DedicatedClients(mcp, browser, engine, dedicated.fake)
+    dedicated.fake.reset()  # releases a slow response still pending at the fake
+    await mcp.aclose()
+    await browser.aclose()
+    await engine.dispose()
+
+
+@pytest.mark.parametrize(("fault", "case"), [("timeout", "F2"), ("trickle", "F3")])
+async def test_f2_f3_slow_token_endpoint_is_abandoned_at_the_total_deadline(
+    fault: TokenFault, case: str, dedicated: Dedicated, clients: DedicatedClients
+) -> None:
+    """F2 (no answer for 60 s) and F3 (1 byte/s): httpx timeouts are per read, so only the
+    total deadline (2 s here) bounds the exchange; the page then says to try again."""
+    user = fresh_user(case.lower())
+    token = clients.token(dedicated, user)
+    flow_id, callback_url = await at_callback(clients.mcp, clients.browser, token, user)
+    clients.fake.token_fault = fault
+    log = LogWindow(dedicated.broker)
+
+    started = time.monotonic()
+    callback = await return_to_broker(clients.browser, callback_url)
+    elapsed = time.monotonic() - started
+    page = await clients.browser.get(f"/connect/{flow_id}")
+
+    assert callback.status_code == 303
+    assert DEADLINE_SECONDS <= elapsed < DEADLINE_SECONDS + SLACK_SECONDS
+    await assert_nothing_stored(clients.db, flow_id, user, reason="timeout")
+    assert TOO_SLOW in page.text and CONTINUE_BUTTON in page.text
+    assert f"token_exchange.failed flow_id={flow_id} reason=timeout" in log.text()
+
+
+async def test_f10_unreachable_authorize_endpoint_still_gets_a_303_and_the_flow_waits(
+    dedicated: Dedicated, clients: DedicatedClients
+) -> None:
+    """F10. The broker does not call the authorize endpoint: it answers 303 and it is the
+    browser that fails; the flow stays `authorizing` until it expires."""
+    user = fresh_user("f10")
+    token = clients.token(dedicated, user)
+    round_one = await elicit(clients.mcp, token, {"provider": "ghdown"})
+    await clients.browser.login_as(user, next_path=f"/connect/{round_one.flow_id}")
+
+    started = await press_continue(clients.browser, round_one.flow_id)
+    with pytest.raises(httpx2.ConnectError):
+        await clients.browser.http.get(started.headers["location"])
+
+    assert started.status_code == 303
+    assert started.headers["location"].startswith(
+        dedicated.broker.config.providers["ghdown"]["authorize_url"] + "?"
+    )
+    row = await flow_row(clients.db, round_one.flow_id) or {}
+    assert row["status"] == "authorizing" and row["failure"] is None
+    assert await count_rows(clients.db, "connections", subject=user) == 0
