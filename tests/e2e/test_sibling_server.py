@@ -1,0 +1,404 @@
+"""A sibling MCP server beside the broker, end to end with real parts (DESIGN.md §3.2).
+
+`examples/sibling_server.py` runs as its own process: an official-SDK `MCPServer` that validates
+its own access tokens (audience: its /mcp URL) from the node IdP and asks the broker for GitHub
+through `connect_broker_client`. The official `mcp` client calls its tool with a real token; the
+elicitation callback drives Chromium through the broker's login and consent pages to a fake
+GitHub that approves at once; the client's own retry returns the repositories. A second sibling,
+registered separately without `share_from`, cannot read that connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.session import ClientRequestContext
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
+from playwright.async_api import BrowserContext, Page, Response
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import create_engine
+
+from ..conftest import count_rows, flow_row, github_provider
+from ..support.broker import BrokerConfig, BrokerProcess, cli, running_broker
+from ..support.fake_github import FakeGitHub
+from ..support.idp import (
+    IdpConfig,
+    IdpProcess,
+    client_metadata,
+    free_port,
+    obtain_access_token,
+    running_idp,
+)
+from ..support.schema import validate
+from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
+
+Action = Literal["accept", "decline", "cancel"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
+SIBLING_START_TIMEOUT = 20.0
+SIBLING_STOP_TIMEOUT = 10.0
+TEST_DEADLINE = 55.0  # every test stays under a minute
+MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
+MCP_CLIENT_REDIRECT = "http://127.0.0.1:9/callback"
+OCTOCAT_REPOS = [
+    {"name": "hello-world", "full_name": "octocat/hello-world", "private": False},
+    {"name": "spoon-knife", "full_name": "octocat/spoon-knife", "private": False},
+    {"name": "secret-plans", "full_name": "octocat/secret-plans", "private": True},
+]
+
+
+@dataclass
+class SiblingProcess:
+    """`python examples/sibling_server.py --port N` with its configuration in the environment."""
+
+    name: str
+    secret: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def mcp_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(SIBLING_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(SIBLING_STOP_TIMEOUT)
+
+
+def start_sibling(
+    name: str, secret: str, port: int, *, broker: BrokerProcess, idp: IdpProcess, github_url: str
+) -> SiblingProcess:
+    log_path = broker.log_path.with_name(f"sibling-{name}-{port}.log")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),  # the helper package, also without an install
+        "BROKER_URL": broker.url,
+        "BROKER_SERVICE_SECRET": secret,
+        "SIBLING_ISSUER": idp.issuer,
+        "SIBLING_AUDIENCE": f"http://127.0.0.1:{port}/mcp",
+        "SIBLING_NAME": name,
+        "GITHUB_API_URL": github_url,
+    }
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--port", str(port)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return SiblingProcess(name, secret, port, process, log_path)
+
+
+def wait_until_serving(sibling: SiblingProcess) -> None:
+    metadata = f"http://127.0.0.1:{sibling.port}/.well-known/oauth-protected-resource/mcp"
+    deadline = time.monotonic() + SIBLING_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if sibling.process.poll() is not None:
+            raise RuntimeError(f"the sibling exited: {sibling.log()}")
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(metadata, timeout=1, trust_env=False).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the sibling did not start: {sibling.log()}")
+
+
+def create_service(broker: BrokerProcess, name: str) -> str:
+    created = cli(
+        "service", "create", name, "--providers", "github", config_path=broker.config_path
+    )
+    assert created.returncode == 0, created.stderr
+    return created.stdout.strip()
+
+
+@dataclass
+class Deployment:
+    idp: IdpProcess
+    broker: BrokerProcess
+    github: FakeGitHub
+    repo_bot: SiblingProcess
+    other_bot: SiblingProcess
+
+
+@pytest.fixture(scope="module")
+def deployment(workdir: Path) -> Iterator[Deployment]:
+    """An IdP that issues tokens for the broker and both siblings, the broker with GitHub pointed
+    at its own fake GitHub, and two siblings registered as separate services."""
+    broker_port, bot_port, other_port = free_port(), free_port(), free_port()
+    broker_url = f"http://127.0.0.1:{broker_port}"
+    resources = [f"http://127.0.0.1:{port}/mcp" for port in (broker_port, bot_port, other_port)]
+    idp_config = IdpConfig(
+        resources=resources,
+        clients=[
+            client_metadata(
+                "broker-login",
+                [f"{broker_url}/login/callback"],
+                client_secret="broker-login-secret",
+            ),
+            client_metadata("mcp-client", [MCP_CLIENT_REDIRECT]),
+        ],
+    )
+    with (
+        FakeGitHub(redirect_uri=f"{broker_url}/oauth/github/callback") as github,
+        running_idp(idp_config, workdir) as idp,
+    ):
+        config = BrokerConfig(
+            issuer=idp.issuer, port=broker_port, providers={"github": github_provider(github)}
+        )
+        with running_broker(config, workdir, name=f"siblings-{secrets.token_hex(3)}") as broker:
+            common: dict[str, Any] = {"broker": broker, "idp": idp, "github_url": github.url}
+            with contextlib.ExitStack() as stack:
+                siblings: list[SiblingProcess] = []
+                for name, port in (("repo-bot", bot_port), ("other-bot", other_port)):
+                    siblings.append(
+                        start_sibling(name, create_service(broker, name), port, **common)
+                    )
+                    stack.callback(siblings[-1].stop)
+                for sibling in siblings:  # both start in parallel; wait for each
+                    wait_until_serving(sibling)
+                yield Deployment(idp, broker, github, *siblings)
+
+
+@pytest.fixture(scope="module")
+async def deployment_db(deployment: Deployment) -> AsyncIterator[AsyncEngine]:
+    """The dedicated broker's database, for asserting what was stored."""
+    engine = create_engine(deployment.broker.database_url, pool_size=2)
+    yield engine
+    await engine.dispose()
+
+
+@dataclass
+class UrlElicitations:
+    """The client's elicitation callback: each URL-mode request goes to `on_url`, which answers."""
+
+    on_url: Callable[[str], Awaitable[Action]]
+    urls: list[str] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
+
+    async def __call__(
+        self, context: ClientRequestContext, params: ElicitRequestParams
+    ) -> ElicitResult:
+        self.modes.append(params.mode)
+        if not isinstance(params, ElicitRequestURLParams):
+            return ElicitResult(action="decline")
+        self.urls.append(params.url)
+        return ElicitResult(action=await self.on_url(params.url))
+
+
+@asynccontextmanager
+async def official_client(
+    url: str, token: str, on_elicit: UrlElicitations, wire: WireLog
+) -> AsyncIterator[Client]:
+    """The SDK's Client over HTTP to a sibling, every exchange recorded on `wire`."""
+    http = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=httpx2.Timeout(MCP_ROUND_TIMEOUT),
+        trust_env=False,
+        event_hooks={"request": [wire.on_request], "response": [wire.on_response]},
+    )
+    async with (
+        http,
+        Client(
+            streamable_http_client(url, http_client=http),
+            elicitation_callback=on_elicit,
+            client_info=CLIENT_INFO,
+            read_timeout_seconds=MCP_ROUND_TIMEOUT,
+        ) as client,
+    ):
+        yield client
+
+
+async def access_token(deployment: Deployment, user: str, sibling: SiblingProcess) -> str:
+    """A real access token the IdP issues to the public mcp-client for the sibling's audience."""
+    return await obtain_access_token(
+        deployment.idp.issuer,
+        user=user,
+        client_id="mcp-client",
+        client_secret=None,
+        redirect_uri=MCP_CLIENT_REDIRECT,
+        resource=sibling.mcp_url,
+    )
+
+
+@asynccontextmanager
+async def open_page(context: BrowserContext) -> AsyncIterator[Page]:
+    page = await context.new_page()
+    try:
+        yield page
+    finally:
+        await page.close()
+
+
+async def sign_in(page: Page, issuer: str, user: str) -> Response:
+    """On the IdP's login page, sign in as `user`; the response the browser lands on."""
+    for _ in range(MAX_IDP_PAGES):
+        assert page.url.startswith(f"{issuer}/"), f"not at the IdP: {page.url}"
+        login = page.locator('input[name="login"]')
+        if await login.count():
+            await login.fill(user, timeout=ACTION_TIMEOUT_MS)
+            await page.fill('input[name="password"]', "any-password", timeout=ACTION_TIMEOUT_MS)
+        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
+            await page.click('button[type="submit"]', timeout=ACTION_TIMEOUT_MS)
+        landed = await navigation.value
+        assert landed is not None
+        if not landed.url.startswith(issuer):
+            return landed
+    raise AssertionError(f"still at the IdP after {MAX_IDP_PAGES} pages: {page.url}")
+
+
+async def connect_github_in_chromium(
+    context: BrowserContext, issuer: str, user: str, url: str, seen: dict[str, Any]
+) -> Action:
+    """Open the flow URL, sign in, press Continue; the fake GitHub approves and sends us back."""
+    async with open_page(context) as page:
+        await page.goto(url, timeout=ACTION_TIMEOUT_MS)
+        seen["login_page"] = page.url
+        consent = await sign_in(page, issuer, user)
+        seen["consent"] = (consent.url, consent.status, await page.locator("main").inner_text())
+        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
+            await page.click("[data-action=continue]", timeout=ACTION_TIMEOUT_MS)
+        landed = await navigation.value
+        assert landed is not None
+        seen["landed"] = (landed.url, landed.status, await page.locator("main").inner_text())
+    return "accept"
+
+
+def wire_text(wire: WireLog) -> str:
+    return json.dumps([(exchange.request, exchange.response) for exchange in wire.exchanges])
+
+
+def structured(result: CallToolResult) -> Any:
+    wire: dict[str, Any] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+    validate(wire, "CallToolResult")
+    return wire.get("structuredContent")
+
+
+async def test_sibling_tool_connects_github_in_the_browser_then_lists_the_repos(
+    deployment: Deployment, deployment_db: AsyncEngine, context: BrowserContext
+) -> None:
+    """DESIGN §3.2 end to end: the sibling's tool elicits through the broker, Chromium connects
+    GitHub, the retry returns the repositories; the next call needs no elicitation."""
+    user = "alice-sibling-e2e"
+    bot, broker, github = deployment.repo_bot, deployment.broker, deployment.github
+    token = await access_token(deployment, user, bot)
+    seen: dict[str, Any] = {}
+    wire = WireLog()
+
+    async def connect(url: str) -> Action:
+        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
+
+    elicitations = UrlElicitations(connect)
+    async with (
+        asyncio.timeout(TEST_DEADLINE),
+        official_client(bot.mcp_url, token, elicitations, wire) as client,
+    ):
+        first = await client.call_tool("list_github_repos", {})
+        calls_after_first = len(wire.calls())
+        second = await client.call_tool("list_github_repos", {})
+
+    (url,) = elicitations.urls
+    assert elicitations.modes == ["url"]
+    assert re.fullmatch(re.escape(f"{broker.url}/connect/") + r"[A-Za-z0-9_-]{43}", url)
+    assert seen["login_page"].startswith(f"{deployment.idp.issuer}/interaction/")
+    consent_url, consent_status, consent_text = seen["consent"]
+    assert (consent_url, consent_status) == (url, 200)
+    assert "repo-bot (via e2e-official-client) asks to use your GitHub account" in consent_text
+    assert "repo" in consent_text.split()
+    assert seen["landed"][:2] == (url, 200)
+    assert "Connected as @octocat" in seen["landed"][2]
+    assert first.is_error is False
+    assert structured(first) == {"result": OCTOCAT_REPOS}
+    assert structured(second) == {"result": OCTOCAT_REPOS}
+    wire.validate()
+    assert wire.result_types() == ["input_required", "complete", "complete"]
+    assert calls_after_first == 2 and len(wire.calls()) == 3  # the second call: one round
+    assert github.issued_access_tokens, "the fake GitHub issued no token"
+    assert not any(issued in wire_text(wire) for issued in github.issued_access_tokens)
+    flow_id = url.rsplit("/", 1)[1]
+    assert (await flow_row(deployment_db, flow_id) or {})["status"] == "consumed"
+    owned = await count_rows(
+        deployment_db, "connections", subject=user, provider="github", audience="repo-bot"
+    )
+    assert owned == 1
+
+
+async def test_another_sibling_cannot_read_the_connection_and_asks_for_its_own(
+    deployment: Deployment, deployment_db: AsyncEngine, context: BrowserContext
+) -> None:
+    """DESIGN §2: each sibling sees only the connections made through it (no share_from)."""
+    user = "bob-sibling-e2e"
+    bot, other = deployment.repo_bot, deployment.other_bot
+    seen: dict[str, Any] = {}  # what Chromium saw; the first test asserts on it
+
+    async def connect(url: str) -> Action:
+        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
+
+    async def decline(url: str) -> Action:
+        return "decline"
+
+    asked_by_other = UrlElicitations(decline)
+    async with asyncio.timeout(TEST_DEADLINE):
+        async with official_client(
+            bot.mcp_url,
+            await access_token(deployment, user, bot),
+            UrlElicitations(connect),
+            WireLog(),
+        ) as client:
+            connected = await client.call_tool("list_github_repos", {})
+        other_wire = WireLog()
+        async with official_client(
+            other.mcp_url, await access_token(deployment, user, other), asked_by_other, other_wire
+        ) as client:
+            refused = await client.call_tool("list_github_repos", {})
+        query = {"issuer": deployment.idp.issuer, "subject": user}
+        async with httpx2.AsyncClient(base_url=deployment.broker.url, trust_env=False) as api:
+            own = await api.get(
+                "/api/v1/credentials/github",
+                params=query,
+                headers={"Authorization": f"Bearer {bot.secret}"},
+            )
+            foreign = await api.get(
+                "/api/v1/credentials/github",
+                params=query,
+                headers={"Authorization": f"Bearer {other.secret}"},
+            )
+
+    assert structured(connected) == {"result": OCTOCAT_REPOS}
+    assert len(asked_by_other.urls) == 1  # other-bot elicits a flow of its own
+    assert asked_by_other.urls[0].startswith(f"{deployment.broker.url}/connect/")
+    assert refused.is_error is True
+    assert "declined to connect github" in json.dumps(refused.model_dump(mode="json"))
+    other_wire.validate()
+    assert own.status_code == 200 and own.json()["account"] == "@octocat"
+    assert foreign.status_code == 404
+    assert foreign.json()["type"] == "urn:connect-broker:error:not_connected"
+    assert await count_rows(deployment_db, "connections", subject=user, audience="other-bot") == 0
