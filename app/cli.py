@@ -146,24 +146,12 @@ def _keys_generate(_args: argparse.Namespace) -> int:
 
 
 def _keys_rotate(args: argparse.Namespace) -> int:
-    import asyncio
-
     from app.credentials import reseal_all
     from app.crypto import Keyring
-    from app.db import create_engine, create_sessionmaker
 
     settings = _settings(args)
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
-
-    async def rotate() -> int:
-        engine = create_engine(settings.database.url, pool_size=1)
-        try:
-            async with create_sessionmaker(engine).begin() as session:
-                return await reseal_all(session, keys=keys)
-        finally:
-            await engine.dispose()
-
-    count = asyncio.run(rotate())
+    count = _with_session(settings, lambda session: reseal_all(session, keys=keys))
     print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
     return 0
 
@@ -173,6 +161,10 @@ def _with_session(settings: Settings, work: Any) -> Any:
     import asyncio
 
     from app.db import create_engine, create_sessionmaker
+    from app.migrate import is_current
+
+    if not is_current(settings.database.url):
+        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
 
     async def run() -> Any:
         engine = create_engine(settings.database.url, pool_size=1)

@@ -194,7 +194,8 @@ async def require_connection(
     runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> ConnectOutcome:
     found = await usable_for(runtime, service, provider, principal)
-    if found is not None and set(body.scopes) <= set(found.scopes or body.scopes):
+    # API keys have no scopes; an OAuth connection must hold every scope asked for (step-up)
+    if found is not None and (found.kind == "api_key" or set(body.scopes) <= set(found.scopes)):
         return ConnectOutcome(status="connected", credential=found)
     if not _url_declared(body.client_capabilities):
         return ConnectOutcome(
