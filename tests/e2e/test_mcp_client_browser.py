@@ -12,12 +12,10 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from unittest.mock import ANY
 
-from mcp.client.session import ClientRequestContext
-from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
+from mcp_types import CallToolResult
 from playwright.async_api import BrowserContext, Cookie, Dialog, Page, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,32 +25,13 @@ from ..support.clients import McpHttp
 from ..support.idp import IdpProcess
 from ..support.schema import validate, validate_response
 from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
-
-Action = Literal["accept", "decline", "cancel"]
+from .elicitations import Action, UrlElicitations
 
 API_KEY = "sk_CANARYKEY_e2e_1"
 MARKUP_KEY = '"><img src=x onerror=alert(1)>'
 TEST_DEADLINE = 55.0  # every test stays under a minute
 MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
 WAIT = ACTION_TIMEOUT_MS / 1000
-
-
-@dataclass
-class UrlElicitations:
-    """The client's elicitation callback: each URL-mode request goes to `on_url`, which answers."""
-
-    on_url: Callable[[str], Awaitable[Action]]
-    modes: list[str] = field(default_factory=list)
-    urls: list[str] = field(default_factory=list)
-
-    async def __call__(
-        self, context: ClientRequestContext, params: ElicitRequestParams
-    ) -> ElicitResult:
-        self.modes.append(params.mode)
-        if not isinstance(params, ElicitRequestURLParams):
-            return ElicitResult(action="decline")
-        self.urls.append(params.url)
-        return ElicitResult(action=await self.on_url(params.url))
 
 
 def flow_url_pattern(broker: BrokerProcess) -> re.Pattern[str]:

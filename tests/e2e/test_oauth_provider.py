@@ -14,14 +14,13 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from unittest.mock import ANY
 from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx2
 import pytest
-from mcp.client.session import ClientRequestContext
-from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
+from mcp_types import CallToolResult
 from playwright.async_api import BrowserContext, Page, Request, Response
 from playwright.async_api import Error as PlaywrightError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -32,8 +31,7 @@ from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.idp import IdpProcess, idp_login
 from ..support.schema import validate, validate_response
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, OpenClient, WireLog
-
-Action = Literal["accept", "decline", "cancel"]
+from .elicitations import Action, UrlElicitations
 
 PROVIDER = "acme"
 ACME_USER = "acme-user"
@@ -41,24 +39,6 @@ ACME_CLIENT_ID = "broker-acme"
 ACME_SCOPES = ["openid", "profile"]
 TEST_DEADLINE = 55.0  # every test stays under a minute
 MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
-
-
-@dataclass
-class UrlElicitations:
-    """The client's elicitation callback: each URL-mode request goes to `on_url`, which answers."""
-
-    on_url: Callable[[str], Awaitable[Action]]
-    urls: list[str] = field(default_factory=list)
-    modes: list[str] = field(default_factory=list)
-
-    async def __call__(
-        self, context: ClientRequestContext, params: ElicitRequestParams
-    ) -> ElicitResult:
-        self.modes.append(params.mode)
-        if not isinstance(params, ElicitRequestURLParams):
-            return ElicitResult(action="decline")
-        self.urls.append(params.url)
-        return ElicitResult(action=await self.on_url(params.url))
 
 
 @dataclass

@@ -20,18 +20,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx2
 import pytest
 from mcp import Client
-from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CallToolResult, ElicitRequestParams, ElicitRequestURLParams, ElicitResult
+from mcp_types import CallToolResult
 from playwright.async_api import BrowserContext, Page, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -50,8 +49,7 @@ from ..support.idp import (
 )
 from ..support.schema import validate
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
-
-Action = Literal["accept", "decline", "cancel"]
+from .elicitations import Action, UrlElicitations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
@@ -194,24 +192,6 @@ async def deployment_db(deployment: Deployment) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(deployment.broker.database_url, pool_size=2)
     yield engine
     await engine.dispose()
-
-
-@dataclass
-class UrlElicitations:
-    """The client's elicitation callback: each URL-mode request goes to `on_url`, which answers."""
-
-    on_url: Callable[[str], Awaitable[Action]]
-    urls: list[str] = field(default_factory=list)
-    modes: list[str] = field(default_factory=list)
-
-    async def __call__(
-        self, context: ClientRequestContext, params: ElicitRequestParams
-    ) -> ElicitResult:
-        self.modes.append(params.mode)
-        if not isinstance(params, ElicitRequestURLParams):
-            return ElicitResult(action="decline")
-        self.urls.append(params.url)
-        return ElicitResult(action=await self.on_url(params.url))
 
 
 @asynccontextmanager
