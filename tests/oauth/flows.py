@@ -7,26 +7,19 @@ callback. Each step is a helper so a test can put a fault between any two of the
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx2
-from sqlalchemy import select, update
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.models import Connection
 
-from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.schema import validate_response
-
-
-def fresh_user(label: str) -> str:
-    """A subject of its own, so row counts see only this test (the session DB is shared)."""
-    return f"{label}-{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)
@@ -36,17 +29,6 @@ class Elicited:
     key: str
     flow_id: str
     request_state: str
-
-
-class LogWindow:
-    """The broker log written after this point."""
-
-    def __init__(self, broker: BrokerProcess) -> None:
-        self._broker = broker
-        self._start = len(broker.log())
-
-    def text(self) -> str:
-        return self._broker.log()[self._start :]
 
 
 def input_required(response: httpx2.Response) -> Elicited:
@@ -125,18 +107,6 @@ async def connect(
     )
     assert tool_result(retry)["structuredContent"]["status"] == "connected"
     return round_one.flow_id
-
-
-async def connection_row(db: AsyncEngine, user: str, provider: str = "github") -> dict[str, Any]:
-    """The user's connection row (there must be exactly one), timestamps as aware datetimes."""
-    table = Connection.__table__
-    async with db.connect() as conn:
-        rows = await conn.execute(
-            select(table).where(table.c.subject == user, table.c.provider == provider)
-        )
-        found = [dict(row) for row in rows.mappings()]
-    assert len(found) == 1, found
-    return found[0]
 
 
 async def make_due(db: AsyncEngine, connection_id: int, *, in_seconds: int = 60) -> None:

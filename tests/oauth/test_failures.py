@@ -27,15 +27,15 @@ from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub, TokenFault
 from ..support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
 from .flows import (
-    LogWindow,
     authorize,
     code_of,
     elicit,
-    fresh_user,
     press_continue,
     return_to_broker,
     tool_result,
 )
+from .helpers import LogWindow
+from .helpers import unique as fresh_user
 
 DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds
 SLACK_SECONDS = 3.0  # process and network overhead allowed on top of a deadline

@@ -29,17 +29,16 @@ from ..support.fake_github import FakeGitHub
 from ..support.idp import free_port
 from ..support.schema import validate_response
 from .flows import (
-    LogWindow,
     authorize,
     connect,
-    connection_row,
     elicit,
-    fresh_user,
     input_required,
     make_due,
     return_to_broker,
     tool_result,
 )
+from .helpers import LogWindow, connection_row
+from .helpers import unique as fresh_user
 
 CALLS_PER_PROCESS = 4
 START_TIMEOUT = 30.0
