@@ -54,6 +54,9 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         engine = create_async_engine(
             target,
             hide_parameters=True,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_timeout=POOL_TIMEOUT_SECONDS,
             connect_args={"timeout": CONNECT_TIMEOUT_SECONDS},
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

@@ -1,8 +1,10 @@
-"""The bare reference for the benchmark: one Starlette POST route, no auth, no database.
+"""The bare reference for the benchmark: two Starlette routes, no auth, no database.
 
-It reads and parses the JSON body and answers a small JSON-RPC-shaped result, served by uvicorn
-with the same settings as `connect-broker serve` (app/cli.py), so the ratio broker / bare measures
-what the broker adds on top of the HTTP stack. Run: `python -m bench.echo_app --port 8001`.
+POST /mcp reads and parses the JSON body and answers a small JSON-RPC-shaped result; GET
+/api/v1/credentials/{provider} answers a small JSON shaped like the broker's credential. Served
+by uvicorn with the same settings as `connect-broker serve` (app/cli.py), so the ratio broker /
+bare measures what the broker adds on top of the HTTP stack.
+Run: `python -m bench.echo_app --port 8001`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,18 @@ async def echo(request: Request) -> Response:
     return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
 
-app = Starlette(routes=[Route("/mcp", echo, methods=["POST"])])
+async def credential(request: Request) -> Response:
+    provider = request.path_params["provider"]
+    body = {"provider": provider, "kind": "api_key", "secret": "sk_bare_reference"}
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+
+app = Starlette(
+    routes=[
+        Route("/mcp", echo, methods=["POST"]),
+        Route("/api/v1/credentials/{provider}", credential, methods=["GET"]),
+    ]
+)
 
 
 def main(argv: list[str] | None = None) -> None:

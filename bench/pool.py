@@ -2,6 +2,8 @@
 
 A pool file has one request per line, "<bearer token>\\t<JSON body>"; bench/mcp.lua rotates over
 it. Tokens are signed with the IdP's own key, so the broker verifies them against its real JWKS.
+A GET pool file (the integration API's credential fetch) has "<bearer secret>\\t<path and query>"
+lines instead; bench/credential.lua rotates over it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import httpx2
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
 from app.auth.principal import Principal
@@ -96,6 +100,12 @@ def write_pool(path: Path, entries: Iterable[Entry]) -> Path:
     return path
 
 
+def write_get_pool(path: Path, entries: Iterable[tuple[str, str]]) -> Path:
+    """A pool of GET requests for bench/credential.lua: (bearer secret, path and query) lines."""
+    path.write_text("".join(f"{token}\t{target}\n" for token, target in entries))
+    return path
+
+
 async def prime(mcp_url: str, tokens: list[str]) -> None:
     """One `tools/list` per token, so the broker's verified-token cache holds them all."""
     limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
@@ -162,14 +172,7 @@ async def _complete_flows(prep: RetryPreparation, started: list[tuple[str, str, 
         async with create_sessionmaker(engine).begin() as session:
             for subject, _, flow_id in started:
                 principal = Principal(issuer=prep.issuer, subject=subject)
-                await credentials.store(
-                    session,
-                    keys=keys,
-                    principal=principal,
-                    provider="demo",
-                    audience="mcp",
-                    secret={"api_key": f"sk_bench_{secrets.token_hex(8)}"},
-                )
+                await _store_api_key(session, keys, principal, audience="mcp")
                 moved = await flows.transition(
                     session,
                     flow_id=flow_id,
@@ -181,6 +184,71 @@ async def _complete_flows(prep: RetryPreparation, started: list[tuple[str, str, 
                     raise PoolError(f"flow of {subject} could not be completed")
     finally:
         await engine.dispose()
+
+
+async def _store_api_key(
+    session: AsyncSession, keys: Keyring, principal: Principal, *, audience: str
+) -> str:
+    """Store (sealed) a fresh demo API key of `principal` owned by `audience`; return the key."""
+    api_key = f"sk_bench_{secrets.token_hex(8)}"
+    await credentials.store(
+        session,
+        keys=keys,
+        principal=principal,
+        provider="demo",
+        audience=audience,
+        secret={"api_key": api_key},
+    )
+    return api_key
+
+
+@dataclass(frozen=True)
+class CredentialPreparation:
+    """The credential-fetch scenario: a service, and users with a key that service owns."""
+
+    base_url: str  # the broker's public URL
+    database_url: str
+    issuer: str
+    sealing_keys: tuple[str, ...]
+    service: str
+    service_secret: str
+
+
+def credential_path(issuer: str, subject: str) -> str:
+    """`GET /api/v1/credentials/demo?issuer=…&subject=…` (path and query)."""
+    query = urlencode({"issuer": issuer, "subject": subject}, quote_via=quote)
+    return f"/api/v1/credentials/demo?{query}"
+
+
+async def prepare_credentials(prep: CredentialPreparation, subjects: list[str]) -> list[str]:
+    """Store a key per user for the service; check one fetch; the paths for wrk, in order."""
+    keys = Keyring.parse(prep.sealing_keys)
+    stored: dict[str, str] = {}
+    engine = create_engine(prep.database_url, pool_size=2)
+    try:
+        async with create_sessionmaker(engine).begin() as session:
+            for subject in subjects:
+                principal = Principal(issuer=prep.issuer, subject=subject)
+                stored[subject] = await _store_api_key(
+                    session, keys, principal, audience=prep.service
+                )
+    finally:
+        await engine.dispose()
+    paths = [credential_path(prep.issuer, subject) for subject in subjects]
+    await _check_credential(prep, paths[0], stored[subjects[0]])
+    return paths
+
+
+async def _check_credential(prep: CredentialPreparation, path: str, api_key: str) -> None:
+    """The broker answers the fetch with 200 and exactly the stored key."""
+    auth = {"Authorization": f"Bearer {prep.service_secret}"}
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        response = await http.get(prep.base_url + path, headers=auth)
+    if response.status_code != 200:
+        raise PoolError(f"GET {path} answered {response.status_code}: {response.text}")
+    body = response.json()
+    if body.get("secret") != api_key or body.get("kind") != "api_key":
+        raise PoolError(f"GET {path} did not return the stored key: {body}")
 
 
 async def flow_counts(database_url: str) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Throughput and latency of the broker's MCP hot path, against a bare Starlette route.
+"""Throughput and latency of the broker's hot paths, against bare Starlette routes.
 
     python -m bench.run [--duration 10] [--connections 32] [--db sqlite,postgresql] [--pin]
 
@@ -8,6 +8,9 @@ For each database (a fresh one, and a fresh `connect-broker serve --workers 1`),
                 verified-token cache (the realistic case)
   retry         the accepted retry of a completed flow -> the final CallToolResult
   round1-fresh  round1 with a never-seen token on every request (signature checked every time)
+  credential    the integration API's GET /api/v1/credentials/demo?issuer=…&subject=… by a
+                registered service (its bearer secret checked, the sealed key of one of
+                --credential-users users opened) -> 200 with the API key
   bare          the same requests against bench/echo_app.py, the reference for "ratio vs bare"
 Each measured run follows a warm-up run. Everything listens and is driven on 127.0.0.1 only.
 "cpu ms/req" is the server process's CPU time per response: unlike req/s it holds up when other
@@ -29,26 +32,31 @@ from typing import Any, NoReturn
 
 from app.connect.service import MAX_OPEN_FLOWS_PER_USER
 from bench.pool import (
+    CredentialPreparation,
     PoolError,
     RetryPreparation,
     TokenMinter,
     call_body,
     flow_counts,
+    prepare_credentials,
     prepare_retries,
     prime,
+    write_get_pool,
     write_pool,
 )
-from bench.report import Measurement, Row, table
+from bench.report import CREDENTIAL_TARGET, Measurement, Row, table
 from bench.stack import (
     Pinning,
     StackError,
+    config_file,
     cpu_seconds,
+    create_service,
     ensure_idp_installed,
     fresh_database,
     running_broker,
     running_echo,
 )
-from bench.wrk import WrkError, require_wrk, run_wrk
+from bench.wrk import GET_SCRIPT, LUA_SCRIPT, WrkError, require_wrk, run_wrk
 from tests.support.broker import BrokerConfig
 from tests.support.idp import IdpConfig, free_port, running_idp
 
@@ -58,6 +66,8 @@ BUSY_LOAD = 0.5  # a 1-minute load average above this means someone else is usin
 INPUT_REQUIRED = '"resultType":"input_required"'
 COMPLETE = '"resultType":"complete","content"'
 ANY_RESULT = '"result"'
+CREDENTIAL = '"secret":"sk_'  # the broker's stored keys are sk_bench_…, the bare one sk_bare_…
+SERVICE = "bench-svc"
 DEMO_PROVIDER: dict[str, Any] = {
     "kind": "api_key",
     "display_name": "Demo",
@@ -68,8 +78,13 @@ DEMO_PROVIDER: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Server:
-    url: str
+    url: str  # the MCP endpoint
     pid: int
+
+    @property
+    def base_url(self) -> str:
+        """Scheme, host and port: wrk's URL for GET pools, which carry their own paths."""
+        return self.url.removesuffix("/mcp")
 
 
 @dataclass
@@ -87,13 +102,27 @@ class Bench:
     notes: list[str] = field(default_factory=list)
 
     def measure(
-        self, server: Server, pool_file: Path, expect: str, warmup_file: Path | None = None
+        self,
+        server: Server,
+        pool_file: Path,
+        expect: str,
+        warmup_file: Path | None = None,
+        *,
+        get: bool = False,
     ) -> Measurement:
-        """A warm-up run (discarded), then the measured run and the server's CPU time for it."""
-        options: dict[str, Any] = {"connections": self.args.connections, "prefix": self.pin.client}
-        run_wrk(server.url, warmup_file or pool_file, expect, duration=self.args.warmup, **options)
+        """A warm-up run (discarded), then the measured run and the server's CPU time for it.
+
+        `get`: the pool holds GET requests (bench/credential.lua), not MCP POSTs (bench/mcp.lua).
+        """
+        options: dict[str, Any] = {
+            "connections": self.args.connections,
+            "prefix": self.pin.client,
+            "script": GET_SCRIPT if get else LUA_SCRIPT,
+        }
+        url = server.base_url if get else server.url
+        run_wrk(url, warmup_file or pool_file, expect, duration=self.args.warmup, **options)
         before = cpu_seconds(server.pid)
-        result = run_wrk(server.url, pool_file, expect, duration=self.args.duration, **options)
+        result = run_wrk(url, pool_file, expect, duration=self.args.duration, **options)
         after = cpu_seconds(server.pid)
         if before is None or after is None or not result.requests:
             return Measurement(result, None)
@@ -115,20 +144,25 @@ class Block:
     kind: str
     database_url: str
     broker: Server
+    config_path: Path
 
     def run(self) -> list[Row]:
         round1, round1_file = self.round1()
         retry, retry_file = self.retry()
         fresh = self.round1_fresh(round1.wrk.rps)
+        credential, credential_file = self.credential()
         echo = self.bench.echo
         bare_round1 = self.bench.measure(echo, round1_file, ANY_RESULT)
         bare_retry = self.bench.measure(echo, retry_file, ANY_RESULT)
+        bare_credential = self.bench.measure(echo, credential_file, CREDENTIAL, get=True)
         return [
             Row("round1", self.kind, round1, bare_round1),
             Row("retry", self.kind, retry, bare_retry),
             Row("round1-fresh", self.kind, fresh, bare_round1, targeted=False),
+            Row("credential", self.kind, credential, bare_credential, target=CREDENTIAL_TARGET),
             Row("bare (round1 body)", self.kind, bare_round1),
             Row("bare (retry body)", self.kind, bare_retry),
+            Row("bare (credential GET)", self.kind, bare_credential, target=CREDENTIAL_TARGET),
         ]
 
     def round1(self) -> tuple[Measurement, Path]:
@@ -181,6 +215,27 @@ class Block:
         self._note(f"retry: {len(entries)} users with a completed flow; a sample retry is complete")
         return bench.measure(self.broker, pool, COMPLETE), pool
 
+    def credential(self) -> tuple[Measurement, Path]:
+        """A service registered by the CLI fetches the keys of users in rotation."""
+        bench = self.bench
+        preparation = CredentialPreparation(
+            base_url=self.broker.base_url,
+            database_url=self.database_url,
+            issuer=bench.minter.issuer,
+            sealing_keys=tuple(bench.config.encryption),
+            service=SERVICE,
+            service_secret=create_service(self.config_path, SERVICE),
+        )
+        subjects = [f"credential-{i}" for i in range(bench.args.credential_users)]
+        paths = asyncio.run(prepare_credentials(preparation, subjects))
+        secret = preparation.service_secret
+        pool = write_get_pool(self._file("credential"), ((secret, path) for path in paths))
+        self._note(
+            f"credential: service {SERVICE!r} and {len(paths)} users with a stored key it owns; "
+            "a sample fetch is 200 with the stored key"
+        )
+        return bench.measure(self.broker, pool, CREDENTIAL, get=True), pool
+
     def _file(self, name: str) -> Path:
         return self.bench.workdir / f"pool-{self.kind}-{name}.txt"
 
@@ -199,14 +254,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--db", default="sqlite,postgresql", help="comma-separated database kinds")
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up before each run")
     parser.add_argument("--retry-users", type=int, default=50, help="users in the retry scenario")
+    parser.add_argument(
+        "--credential-users", type=int, default=50, help="users in the credential scenario"
+    )
     parser.add_argument("--pin", action="store_true", help="taskset: servers CPU 0, wrk CPU 1")
     args = parser.parse_args(argv)
     args.db = [kind.strip() for kind in args.db.split(",") if kind.strip()]
     unknown = set(args.db) - {"sqlite", "postgresql"}
     if unknown or not args.db:
         parser.error(f"--db takes sqlite and/or postgresql, not {sorted(unknown) or args.db}")
-    if min(args.duration, args.warmup, args.connections, args.retry_users) < 1:
-        parser.error("--duration, --warmup, --connections and --retry-users must be positive")
+    counts = (args.duration, args.warmup, args.connections, args.retry_users, args.credential_users)
+    if min(counts) < 1:
+        parser.error(
+            "--duration, --warmup, --connections, --retry-users and --credential-users"
+            " must be positive"
+        )
     return args
 
 
@@ -238,7 +300,8 @@ def bench_database(bench: Bench, kind: str) -> list[Row]:
         fresh_database(kind, bench.workdir) as url,
         running_broker(bench.config, url, bench.workdir, name=name, pin=bench.pin) as process,
     ):
-        return Block(bench, kind, url, Server(bench.config.mcp_url, process.pid)).run()
+        broker = Server(bench.config.mcp_url, process.pid)
+        return Block(bench, kind, url, broker, config_file(bench.workdir, name)).run()
 
 
 def setup_line(args: argparse.Namespace, pin: Pinning, round1_users: int) -> str:
@@ -248,7 +311,8 @@ def setup_line(args: argparse.Namespace, pin: Pinning, round1_users: int) -> str
         f"wrk -t1 -c{args.connections} -d{args.duration}s --latency after a {args.warmup}s warm-up;"
         f" 1 uvicorn worker per server; CPU pinning: {pin.description}{busy}\n"
         f"pools: round1 {round1_users} users (one cached token each), retry {args.retry_users}"
-        " users, round1-fresh a new user and token per request"
+        " users, round1-fresh a new user and token per request, credential"
+        f" {args.credential_users} users (one service secret)"
     )
 
 
@@ -259,7 +323,7 @@ def report(rows: list[Row], notes: list[str]) -> int:
     if load > BUSY_LOAD + 2:  # wrk and the server alone give about 2
         print(f"WARNING: load {load:.1f} at the end: other processes shared the 2 CPUs")
     if not all(row.clean for row in rows):
-        print("FAILED: non-2xx responses, socket errors or unexpected answers (see above)")
+        print("FAILED: no responses, non-2xx, socket errors or unexpected answers (see above)")
         return 1
     return 0
 

@@ -110,10 +110,13 @@ async def _pg_admin(statement: str) -> None:
 def running_broker(
     config: BrokerConfig, database_url: str, workdir: Path, *, name: str, pin: Pinning
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Migrate, then `connect-broker serve --workers 1` (log in `workdir/<name>.log`)."""
-    config_path = workdir / f"{name}.toml"
+    """Migrate, then `connect-broker serve --workers 1` (log in `workdir/<name>.log`).
+
+    Its configuration is `config_file(workdir, name)`, for further CLI commands.
+    """
+    config_path = config_file(workdir, name)
     config_path.write_text(config.render(database_url))
-    cli = [sys.executable, "-m", "app.cli", "--config", str(config_path)]
+    cli = _cli(config_path)
     migrated = subprocess.run(
         [*cli, "migrate"],
         cwd=REPO,
@@ -130,9 +133,33 @@ def running_broker(
         yield process
 
 
+def config_file(workdir: Path, name: str) -> Path:
+    return workdir / f"{name}.toml"
+
+
+def _cli(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "app.cli", "--config", str(config_path)]
+
+
+def create_service(config_path: Path, name: str) -> str:
+    """`connect-broker service create <name>` on that configuration's database: the secret."""
+    done = subprocess.run(
+        [*_cli(config_path), "service", "create", name],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=MIGRATE_TIMEOUT,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or len(lines) != 1:
+        raise StackError(f"service create {name} failed ({done.returncode}):\n{done.stderr}")
+    return lines[0].strip()
+
+
 @contextlib.contextmanager
 def running_echo(port: int, workdir: Path, *, pin: Pinning) -> Iterator[subprocess.Popen[bytes]]:
-    """The bare reference app (bench/echo_app.py) on `http://127.0.0.1:<port>/mcp`."""
+    """The bare reference app (bench/echo_app.py) on `http://127.0.0.1:<port>`."""
     command = [*pin.server, sys.executable, "-m", "bench.echo_app", "--port", str(port)]
     with running_process(command, workdir / "echo.log", accepts(port), "echo app") as process:
         yield process

@@ -1,4 +1,4 @@
-"""Running wrk with bench/mcp.lua and reading its report."""
+"""Running wrk with bench/mcp.lua (or bench/credential.lua) and reading its report."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LUA_SCRIPT = Path(__file__).resolve().parent / "mcp.lua"
+GET_SCRIPT = Path(__file__).resolve().parent / "credential.lua"
 EXTRA_TIMEOUT = 60  # seconds wrk may take beyond --duration before it is killed
 UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 SOCKET_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
@@ -47,8 +48,9 @@ def run_wrk(
     duration: int,
     connections: int,
     prefix: tuple[str, ...] = (),
+    script: Path = LUA_SCRIPT,
 ) -> WrkResult:
-    """One wrk run (1 thread) against `url` with the requests of `pool_file`."""
+    """One wrk run (1 thread) against `url` with the requests of `pool_file`, sent by `script`."""
     command = [
         *prefix,
         require_wrk(),
@@ -57,7 +59,7 @@ def run_wrk(
         f"-d{duration}s",
         "--latency",
         "-s",
-        str(LUA_SCRIPT),
+        str(script),
         url,
         "--",
         str(pool_file),
@@ -75,7 +77,7 @@ def run_wrk(
 
 
 def parse_report(text: str) -> WrkResult:
-    """The figures of a `wrk --latency` report plus the BENCH line printed by mcp.lua."""
+    """The figures of a `wrk --latency` report plus the BENCH line printed by the Lua script."""
     sockets = SOCKET_ERRORS.search(text)
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
     bench = _search(r"^BENCH issued=(\d+) unexpected=(\d+) pool=(\d+)$", text)

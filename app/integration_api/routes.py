@@ -167,14 +167,16 @@ UserSubject = Annotated[
 
 async def calling_service(
     runtime: RuntimeDep,
-    session: SessionDep,
     presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
 ) -> Service:
+    """The authenticated sibling. Its own short session: a request must never hold one pooled
+    connection while the handler waits for another (32 concurrent requests drained the pool)."""
     service = None
     if presented is not None:
-        service = await services.authenticate(
-            session, keys=runtime.signing_keys, secret=presented.credentials
-        )
+        async with runtime.sessionmaker() as session:
+            service = await services.authenticate(
+                session, keys=runtime.signing_keys, secret=presented.credentials
+            )
     if service is None:
         raise InvalidServiceCredentials()
     return service

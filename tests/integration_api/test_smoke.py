@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx2
@@ -64,3 +65,31 @@ async def test_sibling_gets_an_elicitation_then_the_credential(
     assert fetched.json()["secret"] == "sk_CANARYKEY_sibling"
     assert anonymous.status_code == 401
     assert anonymous.headers["content-type"] == "application/problem+json"
+
+
+async def test_many_concurrent_credential_fetches_all_succeed(
+    broker: BrokerProcess, browser: Browser, idp: Any
+) -> None:
+    """A request never holds one pooled connection while waiting for a second one, so more
+    concurrent requests than the pool has connections still all succeed."""
+    secret = create_service(broker, "smoke-concurrent")
+    user = {"issuer": idp.issuer, "subject": "api-concurrent"}
+    api = httpx2.AsyncClient(
+        base_url=f"{broker.url}/api/v1",
+        trust_env=False,
+        timeout=30,
+        headers={"Authorization": f"Bearer {secret}"},
+    )
+    body = {"user": user, "client_capabilities": URL_CAPS, "request_digest": "c"}
+    first = (await api.post("/connections/demo/require", json=body)).json()
+    flow_id = first["inputRequests"]["connect_demo"]["params"]["url"].rsplit("/", 1)[1]
+    await browser.login_as("api-concurrent", next_path=f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": "sk_CANARYKEY_concurrent"}
+    )
+
+    answers = await asyncio.gather(*(api.get("/credentials/demo", params=user) for _ in range(48)))
+    await api.aclose()
+
+    assert [answer.status_code for answer in answers] == [200] * 48
