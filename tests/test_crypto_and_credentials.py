@@ -162,3 +162,39 @@ async def test_database_holds_no_plaintext_secret(
         rows = (await session.execute(text("SELECT * FROM connections"))).all()
 
     assert rows and "CANARYKEY" not in repr(rows)
+
+
+def test_i5_keys_rotate_command_reseals_with_the_first_key(tmp_path: Path) -> None:
+    """I5 through the CLI: put the new key first, keep the old one, run `keys rotate`."""
+    from .support.broker import BrokerConfig, cli
+
+    old, new = generate_key("e-old"), generate_key("e-new")
+    url = fresh_database(tmp_path, "rotate")
+    config = BrokerConfig(issuer="http://127.0.0.1:1", encryption=[new, old])
+    path = tmp_path / "broker.toml"
+    path.write_text(config.render(url))
+    upgrade(url)
+
+    async def seed() -> None:
+        engine = create_engine(url, pool_size=1)
+        async with create_sessionmaker(engine).begin() as session:
+            await credentials.store(
+                session,
+                keys=Keyring.parse((old,)),
+                principal=ALICE,
+                provider="demo",
+                audience="mcp",
+                secret={"api_key": "sk_x"},
+            )
+        await engine.dispose()
+
+    asyncio.run(seed())
+    try:
+        result = cli("keys", "rotate", config_path=path)
+        again = cli("keys", "rotate", config_path=path)
+    finally:
+        drop_database(url)
+
+    assert result.returncode == 0, result.stderr
+    assert "re-sealed 1 credential(s) with key e-new" in result.stdout
+    assert "re-sealed 0 credential(s)" in again.stdout
