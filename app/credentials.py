@@ -142,17 +142,6 @@ def as_credential(row: Connection, secret: dict[str, str]) -> Credential:
     )
 
 
-async def load(
-    session: AsyncSession, *, keys: Keyring, principal: Principal, provider: str, audience: str
-) -> Credential | None:
-    """The stored credential, or None when absent, needing re-authorisation or unreadable."""
-    row = await find(session, principal=principal, provider=provider, audience=audience)
-    if row is None or row.status != ConnectionStatus.active:
-        return None
-    secret = open_row(row, keys=keys)
-    return as_credential(row, secret) if secret is not None else None
-
-
 def replace_tokens(
     row: Connection,
     *,

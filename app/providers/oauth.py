@@ -15,7 +15,6 @@ import base64
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -344,9 +343,3 @@ async def get_api_json(
     """
     base = (provider.api_base_url or "").rstrip("/")
     return await _get_json(provider, http, f"{base}{path}", access_token)
-
-
-def seconds_until(expires_at: datetime | None) -> float:
-    if expires_at is None:
-        return float("inf")
-    return expires_at.timestamp() - time.time()
