@@ -24,13 +24,13 @@ from ..support.broker import BrokerProcess
 from ..support.clients import McpHttp
 from ..support.idp import IdpProcess
 from ..support.schema import validate, validate_response
+from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
 from .elicitations import Action, UrlElicitations
 
 API_KEY = "sk_CANARYKEY_e2e_1"
 MARKUP_KEY = '"><img src=x onerror=alert(1)>'
 TEST_DEADLINE = 55.0  # every test stays under a minute
-MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
 WAIT = ACTION_TIMEOUT_MS / 1000
 
 
@@ -42,36 +42,6 @@ def result_wire(result: CallToolResult) -> dict[str, Any]:
     wire: dict[str, Any] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
     validate(wire, "CallToolResult")
     return wire
-
-
-async def sign_in(page: Page, idp: IdpProcess, user: str) -> Response:
-    """From the IdP's login page, sign in as `user`; the response the browser lands on after it.
-
-    oidc-provider's devInteractions: a login form (any password), then a consent form when the
-    IdP wants one (ours grants on its own, so normally none appears).
-    """
-    for _ in range(MAX_IDP_PAGES):
-        assert page.url.startswith(f"{idp.issuer}/"), f"not at the IdP: {page.url}"
-        login = page.locator('input[name="login"]')
-        if await login.count():
-            await login.fill(user, timeout=ACTION_TIMEOUT_MS)
-            await page.fill('input[name="password"]', "any-password", timeout=ACTION_TIMEOUT_MS)
-        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
-            await page.click('button[type="submit"]', timeout=ACTION_TIMEOUT_MS)
-        landed = await navigation.value
-        assert landed is not None
-        if not landed.url.startswith(idp.issuer):
-            return landed
-    raise AssertionError(f"still at the IdP after {MAX_IDP_PAGES} pages: {page.url}")
-
-
-@asynccontextmanager
-async def open_page(context: BrowserContext) -> AsyncIterator[Page]:
-    page = await context.new_page()
-    try:
-        yield page
-    finally:
-        await page.close()
 
 
 async def submit_key(page: Page, key: str) -> Response:
@@ -123,7 +93,7 @@ async def start_flow(mcp: McpHttp, token: str) -> str:
 
 async def sign_in_on_the_flow_page(page: Page, idp: IdpProcess, url: str, user: str) -> Response:
     await page.goto(url, timeout=ACTION_TIMEOUT_MS)
-    return await sign_in(page, idp, user)
+    return await sign_in(page, idp.issuer, user)
 
 
 async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
@@ -146,7 +116,7 @@ async def test_h7_mcp_client_connects_an_api_key_through_the_browser(
             page.on("response", lambda response: responses.append(response))
             await page.goto(url, timeout=ACTION_TIMEOUT_MS)
             seen["login_page"] = page.url
-            landed = await sign_in(page, idp, user)
+            landed = await sign_in(page, idp.issuer, user)
             seen["landed"] = (landed.url, landed.status)
             seen["submitted"] = (await submit_key(page, API_KEY)).status
             seen["heading"] = await heading(page)

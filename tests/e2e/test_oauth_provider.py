@@ -30,6 +30,7 @@ from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.idp import IdpProcess, idp_login
 from ..support.schema import validate, validate_response
+from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, OpenClient, WireLog
 from .elicitations import Action, UrlElicitations
 
@@ -38,7 +39,6 @@ ACME_USER = "acme-user"
 ACME_CLIENT_ID = "broker-acme"
 ACME_SCOPES = ["openid", "profile"]
 TEST_DEADLINE = 55.0  # every test stays under a minute
-MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
 
 
 @dataclass
@@ -52,36 +52,6 @@ class RequestLog:
 
     def to(self, origin: str) -> list[str]:
         return [url for url in self.urls if url.startswith(origin + "/")]
-
-
-@asynccontextmanager
-async def open_page(context: BrowserContext) -> AsyncIterator[Page]:
-    page = await context.new_page()
-    try:
-        yield page
-    finally:
-        await page.close()
-
-
-async def sign_in(page: Page, issuer: str, user: str) -> Response:
-    """On an oidc-provider login page, sign in as `user`; the response the browser lands on.
-
-    devInteractions shows a login form (any password), then a consent form if the IdP wants one
-    (both of ours grant on their own, so normally none appears; if one does, it is submitted).
-    """
-    for _ in range(MAX_IDP_PAGES):
-        assert page.url.startswith(f"{issuer}/"), f"not at {issuer}: {page.url}"
-        login = page.locator('input[name="login"]')
-        if await login.count():
-            await login.fill(user, timeout=ACTION_TIMEOUT_MS)
-            await page.fill('input[name="password"]', "any-password", timeout=ACTION_TIMEOUT_MS)
-        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
-            await page.click('button[type="submit"]', timeout=ACTION_TIMEOUT_MS)
-        landed = await navigation.value
-        assert landed is not None
-        if not landed.url.startswith(issuer):
-            return landed
-    raise AssertionError(f"still at {issuer} after {MAX_IDP_PAGES} pages: {page.url}")
 
 
 async def press_continue(page: Page) -> Response:

@@ -31,7 +31,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
-from playwright.async_api import BrowserContext, Page, Response
+from playwright.async_api import BrowserContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
@@ -48,6 +48,7 @@ from ..support.idp import (
     running_idp,
 )
 from ..support.schema import validate
+from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
 from .elicitations import Action, UrlElicitations
 
@@ -56,7 +57,6 @@ EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
 SIBLING_START_TIMEOUT = 20.0
 SIBLING_STOP_TIMEOUT = 10.0
 TEST_DEADLINE = 55.0  # every test stays under a minute
-MAX_IDP_PAGES = 4  # login, and a consent page if the IdP shows one
 MCP_CLIENT_REDIRECT = "http://127.0.0.1:9/callback"
 OCTOCAT_REPOS = [
     {"name": "hello-world", "full_name": "octocat/hello-world", "private": False},
@@ -227,32 +227,6 @@ async def access_token(deployment: Deployment, user: str, sibling: SiblingProces
         redirect_uri=MCP_CLIENT_REDIRECT,
         resource=sibling.mcp_url,
     )
-
-
-@asynccontextmanager
-async def open_page(context: BrowserContext) -> AsyncIterator[Page]:
-    page = await context.new_page()
-    try:
-        yield page
-    finally:
-        await page.close()
-
-
-async def sign_in(page: Page, issuer: str, user: str) -> Response:
-    """On the IdP's login page, sign in as `user`; the response the browser lands on."""
-    for _ in range(MAX_IDP_PAGES):
-        assert page.url.startswith(f"{issuer}/"), f"not at the IdP: {page.url}"
-        login = page.locator('input[name="login"]')
-        if await login.count():
-            await login.fill(user, timeout=ACTION_TIMEOUT_MS)
-            await page.fill('input[name="password"]', "any-password", timeout=ACTION_TIMEOUT_MS)
-        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
-            await page.click('button[type="submit"]', timeout=ACTION_TIMEOUT_MS)
-        landed = await navigation.value
-        assert landed is not None
-        if not landed.url.startswith(issuer):
-            return landed
-    raise AssertionError(f"still at the IdP after {MAX_IDP_PAGES} pages: {page.url}")
 
 
 async def connect_github_in_chromium(
