@@ -12,6 +12,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Protocol
 
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -44,6 +45,27 @@ class ConnectionInfo:
     status: str
     scopes: frozenset[str]
     connected_at: datetime
+
+
+class SealedRow(Protocol):
+    """A stored connection as read by the ORM (`Connection`) or the direct store."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def issuer(self) -> str: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def audience(self) -> str: ...
+    @property
+    def sealed_credential(self) -> str: ...
+    @property
+    def scopes(self) -> str: ...
+    @property
+    def account_label(self) -> str | None: ...
 
 
 def _purpose(principal: Principal, provider: str, audience: str) -> str:
@@ -116,7 +138,7 @@ async def find(
     return (await session.execute(statement)).scalar_one_or_none()
 
 
-def open_row(row: Connection, *, keys: Keyring) -> dict[str, str] | None:
+def open_row(row: SealedRow, *, keys: Keyring) -> dict[str, str] | None:
     """The row's secret fields, or None (logged) when no configured key opens them."""
     principal = Principal(row.issuer, row.subject)
     try:
@@ -133,7 +155,7 @@ def open_row(row: Connection, *, keys: Keyring) -> dict[str, str] | None:
     return secret if isinstance(secret, dict) else None
 
 
-def as_credential(row: Connection, secret: dict[str, str]) -> Credential:
+def as_credential(row: SealedRow, secret: dict[str, str]) -> Credential:
     return Credential(
         provider=row.provider,
         secret=str(secret.get("api_key") or secret.get("access_token") or ""),

@@ -27,6 +27,7 @@ from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.crypto import Keyring
 from app.db import create_engine, create_sessionmaker, is_sqlite
+from app.direct import open_direct_store
 from app.errors import (
     DATABASE_ERRORS,
     BrokerError,
@@ -71,6 +72,7 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         settings=settings,
         engine=engine,
         sessionmaker=create_sessionmaker(engine),
+        direct=open_direct_store(settings.database.url, pool_size=settings.database.pool_size),
         signing_keys=signing,
         sealing_keys=sealing,
         issuer=issuer,
@@ -148,6 +150,7 @@ def create_app(
                 await purger
             await runtime.notifier.stop()
             await runtime.http.aclose()
+            await runtime.direct.close()
             await runtime.engine.dispose()
 
     app = BrokerApp(

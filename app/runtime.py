@@ -14,6 +14,7 @@ from app.auth.jwks import JwksCache
 from app.config import Settings
 from app.connect.notify import FlowNotifier
 from app.crypto import Keyring
+from app.direct import DirectStore
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
 
@@ -28,6 +29,7 @@ class Runtime:
     settings: Settings
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
+    direct: DirectStore  # the hot-path statements, straight through the driver
     signing_keys: Keyring
     sealing_keys: Keyring
     issuer: JwksCache

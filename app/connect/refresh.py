@@ -20,6 +20,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect import oauth_service
 from app.credentials import Credential
+from app.direct import ConnectionRecord
 from app.models import Connection, ConnectionStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
@@ -31,7 +32,7 @@ REFRESH_MARGIN = timedelta(minutes=5)
 _process_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
-def _due(row: Connection, secret: dict[str, str]) -> bool:
+def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:
     return (
         row.expires_at is not None
         and "refresh_token" in secret
@@ -43,13 +44,12 @@ async def usable_credential(
     runtime: Runtime, *, principal: Principal, provider: str, audience: str
 ) -> Credential | None:
     """The caller's credential, refreshed first when it expires within five minutes."""
-    async with runtime.sessionmaker() as session:
-        row = await credentials.find(
-            session, principal=principal, provider=provider, audience=audience
-        )
-        if row is None or row.status != ConnectionStatus.active:
-            return None
-        secret = credentials.open_row(row, keys=runtime.sealing_keys)
+    row = await runtime.direct.find_connection(
+        principal.issuer, principal.subject, provider, audience
+    )
+    if row is None or row.status != ConnectionStatus.active:
+        return None
+    secret = credentials.open_row(row, keys=runtime.sealing_keys)
     if secret is None:
         return None
     settings = runtime.settings.providers.get(provider)

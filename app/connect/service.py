@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.crypto import random_token
+from app.direct import DirectStore, FlowRecord, NewFlow
 from app.models import DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
 
 MAX_OPEN_FLOWS_PER_USER = 20
@@ -63,7 +64,7 @@ class FlowView:
         return self.status
 
 
-def _view(flow: Flow) -> FlowView:
+def _view(flow: Flow | FlowRecord) -> FlowView:
     return FlowView(
         id=flow.id,
         principal=Principal(flow.issuer, flow.subject),
@@ -80,7 +81,7 @@ def _view(flow: Flow) -> FlowView:
 
 
 async def create(
-    session: AsyncSession,
+    store: DirectStore,
     *,
     caller: McpCaller,
     client_name: str | None,
@@ -91,42 +92,54 @@ async def create(
     ttl_seconds: int,
     audience: str = "mcp",
 ) -> FlowView:
-    """Start a flow for the caller.
+    """Start a flow for the caller (the hot path: one statement, straight through the driver).
 
     Raises:
         TooManyOpenFlows: the caller has too many unfinished flows.
     """
     now = utcnow()
-    open_count = await session.scalar(
-        select(func.count())
-        .select_from(Flow)
-        .where(
-            Flow.issuer == caller.principal.issuer,
-            Flow.subject == caller.principal.subject,
-            Flow.status.in_(OPEN_FLOW_STATUSES),
-            Flow.expires_at > now,
-        )
+    flow = NewFlow(
+        id=random_token(),
+        issuer=caller.principal.issuer,
+        subject=caller.principal.subject,
+        client_id=caller.client_id,
+        client_name=(client_name or "")[:255] or None,
+        audience=audience,
+        provider=provider,
+        scopes=" ".join(scopes),
+        tool_name=tool_name,
+        args_digest=args_digest,
+        created_at=now,
+        expires_at=now + timedelta(seconds=ttl_seconds),
     )
-    if (open_count or 0) >= MAX_OPEN_FLOWS_PER_USER:
+    inserted = await store.insert_flow(
+        flow, open_statuses=OPEN_FLOW_STATUSES, max_open=MAX_OPEN_FLOWS_PER_USER
+    )
+    if not inserted:
         raise TooManyOpenFlows()
-    values = {
-        "id": random_token(),
-        "issuer": caller.principal.issuer,
-        "subject": caller.principal.subject,
-        "client_id": caller.client_id,
-        "client_name": (client_name or "")[:255] or None,
-        "audience": audience,
-        "provider": provider,
-        "scopes": " ".join(scopes),
-        "tool_name": tool_name,
-        "args_digest": args_digest,
-        "status": FlowStatus.pending,
-        "created_at": now,
-        "updated_at": now,
-        "expires_at": now + timedelta(seconds=ttl_seconds),
-    }
-    await session.execute(insert(Flow).values(**values))  # Core: this is the hot path
-    return _view(Flow(**values))
+    return FlowView(
+        id=flow.id,
+        principal=caller.principal,
+        client_id=flow.client_id,
+        client_name=flow.client_name,
+        audience=flow.audience,
+        provider=flow.provider,
+        scopes=scopes,
+        status=FlowStatus.pending,
+        account_label=None,
+        failure=None,
+        expires_at=flow.expires_at,
+    )
+
+
+async def read_for(store: DirectStore, *, flow_id: str, principal: Principal) -> FlowView | None:
+    """The flow if it belongs to `principal` (MCP retries: foreign flows don't exist)."""
+    if not flow_id or len(flow_id) > 64:
+        return None
+    record = await store.get_flow(flow_id)
+    if record is None or (record.issuer, record.subject) != (principal.issuer, principal.subject):
+        return None
+    return _view(record)
 
 
 async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:
@@ -135,14 +148,6 @@ async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:
         return None
     flow = await session.get(Flow, flow_id, populate_existing=True)
     return _view(flow) if flow is not None else None
-
-
-async def get_for(session: AsyncSession, *, flow_id: str, principal: Principal) -> FlowView | None:
-    """The flow if it belongs to `principal` (used by MCP retries: foreign flows don't exist)."""
-    flow = await get(session, flow_id=flow_id)
-    if flow is None or flow.principal != principal:
-        return None
-    return flow
 
 
 async def transition(

@@ -20,8 +20,7 @@ async def wait_for_flow(
     with runtime.notifier.subscribe(flow_id) as changed:
         while True:
             changed.clear()
-            async with runtime.sessionmaker() as session:
-                flow = await flows.get_for(session, flow_id=flow_id, principal=principal)
+            flow = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
             remaining = deadline - loop.time()
             if flow is None or not flow.is_open or remaining <= 0:
                 return flow

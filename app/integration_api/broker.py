@@ -211,18 +211,17 @@ async def require_connection(
     name = display.display_name if display and display.display_name else service.name
     client = f"{name} (via {body.client_name})" if body.client_name else name
     try:
-        async with runtime.sessionmaker.begin() as session:
-            flow = await flows.create(
-                session,
-                caller=_caller(service, principal),
-                client_name=client,
-                provider=provider,
-                scopes=scopes if isinstance(settings, OAuthProviderSettings) else (),
-                tool_name=METHOD,
-                args_digest=_binding(provider, body),
-                ttl_seconds=runtime.settings.server.flow_ttl_seconds,
-                audience=service.name,
-            )
+        flow = await flows.create(
+            runtime.direct,
+            caller=_caller(service, principal),
+            client_name=client,
+            provider=provider,
+            scopes=scopes if isinstance(settings, OAuthProviderSettings) else (),
+            tool_name=METHOD,
+            args_digest=_binding(provider, body),
+            ttl_seconds=runtime.settings.server.flow_ttl_seconds,
+            audience=service.name,
+        )
     except TooManyOpenFlows:
         return ConnectOutcome(status="failed", message="Too many unfinished connect links.")
     return _elicit(runtime, service, flow, body)

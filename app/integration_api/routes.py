@@ -169,14 +169,12 @@ async def calling_service(
     runtime: RuntimeDep,
     presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
 ) -> Service:
-    """The authenticated sibling. Its own short session: a request must never hold one pooled
-    connection while the handler waits for another (32 concurrent requests drained the pool)."""
+    """The authenticated sibling (looked up through the direct store, holding no session)."""
     service = None
     if presented is not None:
-        async with runtime.sessionmaker() as session:
-            service = await services.authenticate(
-                session, keys=runtime.signing_keys, secret=presented.credentials
-            )
+        service = await services.authenticate(
+            runtime.direct, keys=runtime.signing_keys, secret=presented.credentials
+        )
     if service is None:
         raise InvalidServiceCredentials()
     return service

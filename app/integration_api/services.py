@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.clock import utcnow
 from app.crypto import Keyring, hmac_digest
+from app.direct import DirectStore
 from app.models import ServiceClient
 
 SECRET_PREFIX = "cbs_"  # noqa: S105 (a marker that makes leaked secrets greppable)
@@ -50,18 +51,11 @@ async def create(
     return secret
 
 
-async def authenticate(session: AsyncSession, *, keys: Keyring, secret: str) -> Service | None:
+async def authenticate(store: DirectStore, *, keys: Keyring, secret: str) -> Service | None:
     """The live service holding `secret`, or None."""
     if not secret.startswith(SECRET_PREFIX) or len(secret) > 128:
         return None
-    row = (
-        await session.execute(
-            select(ServiceClient).where(
-                ServiceClient.secret_digest.in_(_digests(keys, secret)),
-                ServiceClient.revoked_at.is_(None),
-            )
-        )
-    ).scalar_one_or_none()
+    row = await store.find_service(_digests(keys, secret))
     if row is None:
         return None
     return Service(name=row.name, providers=frozenset(row.providers.split()))

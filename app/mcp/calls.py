@@ -180,17 +180,16 @@ class CallToolRound:
         if not isinstance(elicitation, dict) or not isinstance(elicitation.get("url"), dict):
             raise missing_capability({"elicitation": {"url": {}}})
         try:
-            async with self.runtime.sessionmaker.begin() as session:
-                flow = await flows.create(
-                    session,
-                    caller=self.caller,
-                    client_name=self.client_name,
-                    provider=need.provider,
-                    scopes=_requested_scopes(provider, need.scopes),
-                    tool_name=self.tool.name,
-                    args_digest=self.digest,
-                    ttl_seconds=self.runtime.settings.server.flow_ttl_seconds,
-                )
+            flow = await flows.create(
+                self.runtime.direct,
+                caller=self.caller,
+                client_name=self.client_name,
+                provider=need.provider,
+                scopes=_requested_scopes(provider, need.scopes),
+                tool_name=self.tool.name,
+                args_digest=self.digest,
+                ttl_seconds=self.runtime.settings.server.flow_ttl_seconds,
+            )
         except TooManyOpenFlows:
             return ToolResult(
                 text="Too many unfinished connect links. Finish or wait for one to expire.",
@@ -224,7 +223,7 @@ class CallToolRound:
                 ended = await flows.end_by_client(
                     session, flow_id=flow_id, principal=principal, status=status
                 )
-                flow = await flows.get_for(session, flow_id=flow_id, principal=principal)
+            flow = await flows.read_for(self.runtime.direct, flow_id=flow_id, principal=principal)
             if flow is not None and flow.is_done and not ended:
                 return flow
             return self._ended(flow, status)

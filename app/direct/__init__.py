@@ -1,0 +1,37 @@
+"""Direct driver access for the few statements on the request hot paths.
+
+Every MCP tool call and integration-API credential fetch runs one to three small indexed
+statements. Through SQLAlchemy's asyncio layer each costs about a millisecond of CPU (session,
+greenlet bridging, and on SQLite a thread hand-off per DBAPI call); straight through the drivers
+it costs tens of microseconds. So these statements, and only these, bypass the ORM:
+
+    find_connection  the sealed credential for (issuer, subject, provider, audience)
+    insert_flow      a new connect flow, unless the user already has too many open ones
+    get_flow         a flow by id (MCP retries and the bounded wait)
+    find_service     a live sibling service by the digest of its secret
+
+Everything else (pages, transitions, refresh under a row lock, the CLI) stays on SQLAlchemy. Both
+work on the same tables built by the Alembic migrations.
+"""
+
+from __future__ import annotations
+
+from app.direct.factory import open_direct_store
+from app.direct.records import (
+    ConnectionRecord,
+    DirectStore,
+    FlowRecord,
+    NewFlow,
+    ServiceRecord,
+    StoreUnavailable,
+)
+
+__all__ = [
+    "ConnectionRecord",
+    "DirectStore",
+    "FlowRecord",
+    "NewFlow",
+    "ServiceRecord",
+    "StoreUnavailable",
+    "open_direct_store",
+]
