@@ -3,8 +3,12 @@
 These statements take tens of microseconds on a local WAL database, less than handing them to a
 worker thread would. Readers never wait under WAL; a writer can find the write lock held by another
 connection (a SQLAlchemy transaction, the CLI). The loop's connection therefore never waits
-(`busy_timeout = 0`): when SQLite answers "busy", the statement is retried on a worker thread that
-may wait the usual five seconds, and the event loop keeps serving other requests meanwhile.
+(`busy_timeout = 0`): when SQLite answers "busy", the work is retried on a worker thread that may
+wait the usual five seconds, and the event loop keeps serving other requests meanwhile.
+
+Writes are group-committed: inserts issued during one turn of the event loop share one
+transaction, committed on the next turn (a commit costs more than the insert itself). Each insert
+succeeds or fails alone: SQLite backs out a failed statement without ending the transaction.
 Datetimes are stored as SQLAlchemy's SQLite dialect stores them: naive UTC, "YYYY-MM-DD
 HH:MM:SS.ffffff", so comparisons in SQL stay lexical and match.
 """
@@ -16,6 +20,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -60,7 +65,7 @@ LIMIT 1
 
 
 def stored_time(value: datetime) -> str:
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def read_time(value: str) -> datetime:
@@ -92,10 +97,39 @@ def _flow(row: tuple[Any, ...]) -> FlowRecord:
     )
 
 
+@dataclass
+class _Write:
+    statement: str
+    values: dict[str, Any]
+    done: asyncio.Future[int]  # the row count
+
+
+def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | Exception]:
+    """Run `writes` in one transaction; each gets its row count or its own error."""
+    outcomes: list[int | Exception] = []
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        for write in writes:
+            try:
+                outcomes.append(connection.execute(write.statement, write.values).rowcount)
+            except sqlite3.OperationalError:
+                raise  # busy or I/O: the whole batch is retried or fails
+            except sqlite3.Error as exc:
+                outcomes.append(exc)
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
+    return outcomes
+
+
 class SqliteStore:
     def __init__(self, path: str) -> None:
         self._path = path
         self._loop_connection: sqlite3.Connection | None = None
+        self._batch: list[_Write] = []
+        self._committing: set[asyncio.Task[None]] = set()
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
         self._waiter_local = threading.local()
 
@@ -130,6 +164,33 @@ class SqliteStore:
             return await loop.run_in_executor(self._waiter, lambda: use(self._on_waiter()))
         except sqlite3.OperationalError as exc:
             raise StoreUnavailable(f"sqlite: {exc}") from exc
+
+    async def _write(self, statement: str, values: dict[str, Any]) -> int:
+        loop = asyncio.get_running_loop()
+        if not self._batch:
+            loop.call_soon(self._start_commit)
+        write = _Write(statement, values, loop.create_future())
+        self._batch.append(write)
+        return await write.done
+
+    def _start_commit(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._commit_batch())
+        self._committing.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._committing.discard)
+
+    async def _commit_batch(self) -> None:
+        writes, self._batch = self._batch, []
+        try:
+            outcomes = await self._run(lambda c: _apply(c, writes))
+        except Exception as exc:  # every waiting request gets the failure
+            outcomes = [exc] * len(writes)
+        for write, outcome in zip(writes, outcomes, strict=True):
+            if write.done.done():
+                continue  # the request was cancelled meanwhile
+            if isinstance(outcome, Exception):
+                write.done.set_exception(outcome)
+            else:
+                write.done.set_result(outcome)
 
     async def find_connection(
         self, issuer: str, subject: str, provider: str, audience: str
@@ -172,8 +233,7 @@ class SqliteStore:
             "expires_at": stored_time(flow.expires_at),
             "max_open": max_open,
         }
-        inserted = await self._run(lambda c: c.execute(statement, values).rowcount)
-        return inserted == 1
+        return await self._write(statement, values) == 1
 
     async def get_flow(self, flow_id: str) -> FlowRecord | None:
         row = await self._run(lambda c: c.execute(GET_FLOW, (flow_id,)).fetchone())
