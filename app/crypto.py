@@ -14,6 +14,7 @@ active one, the others still open or verify what they produced (rotation without
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import os
@@ -78,7 +79,13 @@ class Keyring:
 
     def derive(self, purpose: str) -> list[bytes]:
         """Per-purpose subkeys of every key, active first (for HMAC and itsdangerous)."""
-        return [_hkdf(key, purpose) for _, key in self.keys]
+        return list(_derived(self.keys, purpose))
+
+
+@functools.lru_cache(maxsize=64)
+def _derived(keys: tuple[tuple[str, bytes], ...], purpose: str) -> tuple[bytes, ...]:
+    """HKDF is the costliest step of a per-request digest; the subkeys never change."""
+    return tuple(_hkdf(key, purpose) for _, key in keys)
 
 
 def _hkdf(key: bytes, purpose: str) -> bytes:

@@ -9,7 +9,8 @@ from app.db import get_session
 from app.runtime import Runtime
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
+    """Async: FastAPI would run a plain function on its thread pool, a hand-off per request."""
     runtime: Runtime = request.app.state.runtime
     return runtime
 

@@ -36,6 +36,7 @@ from app.errors import (
     on_http_exception,
     on_unexpected_error,
 )
+from app.integration_api import credential_fetch
 from app.integration_api import routes as integration_routes
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import mcp_endpoint, method_not_allowed
@@ -107,15 +108,24 @@ def allowed_hosts(settings: Settings) -> frozenset[str]:
 
 
 class BrokerApp(FastAPI):
-    """FastAPI, except that POST /mcp (the hot path) skips FastAPI's middleware and routing."""
+    """FastAPI, except for the two hot paths, which skip FastAPI's middleware and routing:
+    POST /mcp, and a well-formed GET /api/v1/credentials/{provider}."""
 
     mcp_stack: ASGIApp | None = None
+    credential_stack: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/mcp" and self.mcp_stack is not None:
-            scope["app"] = self
-            await self.mcp_stack(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            path = scope["path"]
+            fast = None
+            if path == "/mcp":
+                fast = self.mcp_stack
+            elif path.startswith(credential_fetch.PREFIX) and credential_fetch.user_query(scope):
+                fast = self.credential_stack
+            if fast is not None:
+                scope["app"] = self
+                await fast(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -185,6 +195,9 @@ def create_app(
     app.add_middleware(HostGuard, allowed_hosts=hosts)
     app.add_middleware(AccessLog)
     app.mcp_stack = AccessLog(HostGuard(_mcp_asgi, allowed_hosts=hosts))
+    app.credential_stack = AccessLog(
+        HostGuard(credential_fetch.credential_fetch, allowed_hosts=hosts)
+    )
     return app
 
 

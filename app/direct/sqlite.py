@@ -140,6 +140,7 @@ class SqliteStore:
         connection.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
         connection.execute("PRAGMA synchronous = NORMAL")
         connection.execute("PRAGMA foreign_keys = ON")
+        connection.execute("PRAGMA cache_size = -32000")
         return connection
 
     def _on_loop(self) -> sqlite3.Connection:

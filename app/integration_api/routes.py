@@ -125,6 +125,14 @@ def _invalid_request(exc: RequestValidationError) -> Response:
     )
 
 
+def problem_response(request: Request, exc: BrokerError) -> Response:
+    """A failure as problem JSON; a 401 also names the scheme (`WWW-Authenticate`)."""
+    response = render_error(request, exc)
+    if isinstance(exc, InvalidServiceCredentials):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="connect-broker"'
+    return response
+
+
 class ProblemRoute(APIRoute):
     """Renders this router's own failures that the app-wide handlers render differently.
 
@@ -141,9 +149,7 @@ class ProblemRoute(APIRoute):
             except RequestValidationError as exc:
                 return _invalid_request(exc)
             except InvalidServiceCredentials as exc:
-                response = render_error(request, exc)
-                response.headers["WWW-Authenticate"] = 'Bearer realm="connect-broker"'
-                return response
+                return problem_response(request, exc)
 
         return handle_with_problems
 

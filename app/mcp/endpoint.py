@@ -7,7 +7,6 @@ route, not a FastAPI one: this is the hot path and needs no dependency injection
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -16,6 +15,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
 from app.auth.principal import McpCaller
 from app.mcp.envelope import Message, check_message, parse_body
@@ -44,7 +44,7 @@ def _json(
     body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     return Response(
-        json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+        jsonbytes.dumps(body),
         status_code=status,
         media_type="application/json",
         headers=headers,

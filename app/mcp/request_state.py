@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
+from itsdangerous.encoding import base64_encode, want_bytes
 
 from app.auth.principal import McpCaller
 from app.crypto import Keyring
+from app.jsonbytes import CompactJson
 from app.mcp.protocol import JsonRpcError, invalid_params
 
 logger = logging.getLogger("broker.security")
@@ -50,6 +52,11 @@ def arguments_digest(arguments: dict[str, Any]) -> str:
 class _Serializer(URLSafeTimedSerializer):
     default_signer_kwargs = {"digest_method": hashlib.sha256}  # noqa: RUF012
 
+    def dump_payload(self, obj: Any) -> bytes:
+        """Base64 JSON without itsdangerous's zlib attempt: a state is a few hundred bytes,
+        compressing it saves little and costs more than signing it. Loading still accepts both."""
+        return base64_encode(want_bytes(self.serializer.dumps(obj, **self.serializer_kwargs)))
+
 
 class RequestStateCodec:
     def __init__(
@@ -57,15 +64,16 @@ class RequestStateCodec:
     ) -> None:
         # itsdangerous signs with the last key of the list and verifies with all of them.
         secrets = list(reversed(keys.derive("request-state")))
-        self._serializer = _Serializer(secrets, salt=SALT)
+        self._serializer = _Serializer(secrets, salt=SALT, serializer=CompactJson)
         # every configured key, active first: a state issued before a rotation still verifies
         self._principal_keys = keys.derive("request-state-principal")
         self._max_age = max_age
         self._clock = clock
 
-    def _principal_macs(self, caller: McpCaller) -> list[str]:
+    def _principal_macs(self, caller: McpCaller, *, active_only: bool = False) -> list[str]:
         who = f"{caller.principal.issuer}|{caller.principal.subject}".encode()
-        return [hmac.new(key, who, hashlib.sha256).hexdigest()[:32] for key in self._principal_keys]
+        keys = self._principal_keys[:1] if active_only else self._principal_keys
+        return [hmac.new(key, who, hashlib.sha256).hexdigest()[:32] for key in keys]
 
     def issue(
         self,
@@ -80,7 +88,7 @@ class RequestStateCodec:
     ) -> str:
         payload: dict[str, Any] = {
             "v": 1,
-            "p": self._principal_macs(caller)[0],
+            "p": self._principal_macs(caller, active_only=True)[0],
             "c": caller.client_id,
             "m": method,
             "n": name,

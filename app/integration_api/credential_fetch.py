@@ -1,0 +1,82 @@
+"""GET /api/v1/credentials/{provider}, the integration API's hot path, without FastAPI's
+per-request machinery (routing, dependency solving, response-model validation: most of the CPU
+such a request costs).
+
+Only well-formed requests come here: exactly the `issuer` and `subject` query parameters, each
+1-255 characters, and a bearer secret. Everything else (a missing or extra parameter, any other
+method) goes to the FastAPI route, the same route function this calls, which answers it the
+documented way (422 problem JSON and so on). Both give the same responses.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl
+
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from app.errors import (
+    DATABASE_ERRORS,
+    BrokerError,
+    on_database_error,
+    on_unexpected_error,
+)
+from app.integration_api import services
+from app.integration_api.routes import InvalidServiceCredentials, credential, problem_response
+from app.runtime import Runtime
+
+PREFIX = "/api/v1/credentials/"
+MAX_QUERY_VALUE = 255
+
+
+def user_query(scope: Scope) -> tuple[str, str] | None:
+    """(issuer, subject) of a plain credential fetch, or None to leave it to FastAPI."""
+    if scope["type"] != "http" or scope["method"] != "GET":
+        return None
+    provider = scope["path"].removeprefix(PREFIX)
+    if not provider or "/" in provider or provider == scope["path"]:
+        return None
+    try:
+        pairs = parse_qsl(
+            scope["query_string"].decode("latin-1"),
+            keep_blank_values=True,
+            strict_parsing=True,
+            max_num_fields=2,
+        )
+    except ValueError:
+        return None
+    values = dict(pairs)
+    if len(pairs) != 2 or values.keys() != {"issuer", "subject"}:
+        return None
+    issuer, subject = values["issuer"], values["subject"]
+    if not (0 < len(issuer) <= MAX_QUERY_VALUE and 0 < len(subject) <= MAX_QUERY_VALUE):
+        return None
+    return issuer, subject
+
+
+async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
+    request = Request(scope, receive)
+    runtime: Runtime = request.app.state.runtime
+    user = user_query(scope)
+    assert user is not None, "dispatched here only when user_query accepts the request"
+    provider = scope["path"].removeprefix(PREFIX)
+    try:
+        scheme, secret = get_authorization_scheme_param(request.headers.get("authorization"))
+        service = (
+            await services.authenticate(runtime.direct, keys=runtime.signing_keys, secret=secret)
+            if scheme.lower() == "bearer" and secret
+            else None
+        )
+        if service is None:
+            raise InvalidServiceCredentials()
+        found = await credential(provider, runtime, service, *user)
+        response = Response(found.model_dump_json(exclude_none=True), media_type="application/json")
+    except BrokerError as exc:
+        response = problem_response(request, exc)
+    except DATABASE_ERRORS as exc:
+        response = await on_database_error(request, exc)
+    except Exception as exc:  # a bug: answered like any other route's, and logged
+        response = await on_unexpected_error(request, exc)
+    await response(scope, receive, send)
