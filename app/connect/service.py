@@ -112,9 +112,7 @@ async def create(
         created_at=now,
         expires_at=now + timedelta(seconds=ttl_seconds),
     )
-    inserted = await store.insert_flow(
-        flow, open_statuses=OPEN_FLOW_STATUSES, max_open=MAX_OPEN_FLOWS_PER_USER
-    )
+    inserted = await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS_PER_USER)
     if not inserted:
         raise TooManyOpenFlows()
     return FlowView(

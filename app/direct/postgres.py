@@ -20,9 +20,11 @@ from app.direct.records import (
     ServiceRecord,
     StoreUnavailable,
 )
+from app.models import OPEN_FLOW_STATUSES
 
 T = TypeVar("T")
 
+OPEN_STATUSES = [str(status) for status in OPEN_FLOW_STATUSES]
 ACQUIRE_TIMEOUT_SECONDS = 3
 CONNECT_TIMEOUT_SECONDS = 3
 STATEMENT_TIMEOUT_SECONDS = 5
@@ -121,9 +123,7 @@ class PostgresStore:
             expires_at=row[5],
         )
 
-    async def insert_flow(
-        self, flow: NewFlow, *, open_statuses: tuple[str, ...], max_open: int
-    ) -> bool:
+    async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         status: str = await self._run(
             lambda c: c.execute(
                 INSERT_FLOW,
@@ -139,7 +139,7 @@ class PostgresStore:
                 flow.args_digest,
                 flow.created_at,
                 flow.expires_at,
-                list(open_statuses),
+                OPEN_STATUSES,
                 max_open,
             )
         )

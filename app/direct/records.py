@@ -74,10 +74,9 @@ class DirectStore(Protocol):
         self, issuer: str, subject: str, provider: str, audience: str
     ) -> ConnectionRecord | None: ...
 
-    async def insert_flow(
-        self, flow: NewFlow, *, open_statuses: tuple[str, ...], max_open: int
-    ) -> bool:
-        """Insert `flow` unless its owner has `max_open` unexpired open flows; True if inserted."""
+    async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
+        """Insert `flow` unless its owner has `max_open` unexpired open flows (pending,
+        authorizing or exchanging); True if inserted."""
         ...
 
     async def get_flow(self, flow_id: str) -> FlowRecord | None: ...

@@ -48,7 +48,8 @@ SELECT :id, :issuer, :subject, :client_id, :client_name, :audience, :provider, :
        :tool_name, :args_digest, 'pending', :now, :now, :expires_at
 WHERE (SELECT count(*) FROM (
          SELECT 1 FROM flows
-         WHERE issuer = :issuer AND subject = :subject AND status IN ({statuses})
+         WHERE issuer = :issuer AND subject = :subject
+           AND status IN ('pending', 'authorizing', 'exchanging')  -- OPEN_FLOW_STATUSES
            AND expires_at > :now
          LIMIT :max_open)) < :max_open
 """
@@ -214,11 +215,7 @@ class SqliteStore:
             expires_at=read_time(row[5]) if row[5] is not None else None,
         )
 
-    async def insert_flow(
-        self, flow: NewFlow, *, open_statuses: tuple[str, ...], max_open: int
-    ) -> bool:
-        statuses = ", ".join(f"'{status}'" for status in open_statuses if status.isalpha())
-        statement = INSERT_FLOW.format(statuses=statuses)
+    async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         values: dict[str, Any] = {
             "id": flow.id,
             "issuer": flow.issuer,
@@ -234,7 +231,7 @@ class SqliteStore:
             "expires_at": stored_time(flow.expires_at),
             "max_open": max_open,
         }
-        return await self._write(statement, values) == 1
+        return await self._write(INSERT_FLOW, values) == 1
 
     async def get_flow(self, flow_id: str) -> FlowRecord | None:
         row = await self._run(lambda c: c.execute(GET_FLOW, (flow_id,)).fetchone())

@@ -1,0 +1,103 @@
+"""GET /api/v1/credentials/{provider} is served two ways (app/integration_api/credential_fetch.py):
+a well-formed request skips FastAPI, anything else goes through the FastAPI route. Both must give
+the same answer, so each case is sent both ways: plain, and with an extra query parameter that
+FastAPI ignores but that sends the request down the FastAPI route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx2
+import pytest
+
+from app.integration_api.credential_fetch import user_query
+
+from ..support.broker import BrokerProcess
+from ..support.clients import Browser
+from ..support.idp import IdpProcess
+from .test_api import (
+    API_KEY,
+    Registered,
+    ServiceApi,
+    connect_demo,
+    fresh_name,
+    fresh_user,
+    register,
+)
+
+
+@pytest.fixture(scope="module")
+def service(broker: BrokerProcess) -> Registered:
+    return register(broker, fresh_name("fast"))
+
+
+@pytest.fixture
+async def api(broker: BrokerProcess, service: Registered) -> Any:
+    client = ServiceApi(broker.url, service)
+    yield client
+    await client.aclose()
+
+
+def scope(path: str, query: bytes, method: str = "GET") -> dict[str, Any]:
+    return {"type": "http", "method": method, "path": path, "query_string": query}
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "method", "expected"),
+    [
+        ("/api/v1/credentials/demo", b"issuer=https%3A%2F%2Fidp&subject=al+ice", "GET", True),
+        ("/api/v1/credentials/demo", b"subject=alice&issuer=i", "GET", True),
+        ("/api/v1/credentials/demo", b"issuer=i&subject=alice", "POST", False),
+        ("/api/v1/credentials/demo", b"issuer=i", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i&subject=alice&x=1", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i&issuer=j", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=&subject=alice", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i&subject=" + b"a" * 256, "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i&subject", "GET", False),
+        ("/api/v1/credentials/", b"issuer=i&subject=alice", "GET", False),
+        ("/api/v1/credentials/demo/x", b"issuer=i&subject=alice", "GET", False),
+    ],
+)
+def test_only_well_formed_fetches_take_the_fast_path(
+    path: str, query: bytes, method: str, expected: bool
+) -> None:
+    assert (user_query(scope(path, query, method)) is not None) is expected
+
+
+async def both_ways(
+    http: httpx2.AsyncClient, provider: str, user: dict[str, str], secret: str | None
+) -> tuple[httpx2.Response, httpx2.Response]:
+    headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
+    fast = await http.get(f"/credentials/{provider}", params=user, headers=headers)
+    routed = await http.get(
+        f"/credentials/{provider}", params={**user, "via": "fastapi"}, headers=headers
+    )
+    return fast, routed
+
+
+def same_answer(fast: httpx2.Response, routed: httpx2.Response, status: int) -> None:
+    assert fast.status_code == routed.status_code == status, (fast.text, routed.text)
+    for header in ("content-type", "www-authenticate", "retry-after"):
+        assert fast.headers.get(header) == routed.headers.get(header), header
+    assert fast.json() == routed.json()
+
+
+async def test_fast_path_and_fastapi_route_give_the_same_answers(
+    broker: BrokerProcess, api: ServiceApi, browser: Browser, idp: IdpProcess
+) -> None:
+    user = {"issuer": idp.issuer, "subject": fresh_user("fast-path")}
+    limited = register(broker, fresh_name("only-github"), "--providers", "github")
+    async with httpx2.AsyncClient(
+        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
+    ) as http:
+        same_answer(*await both_ways(http, "demo", user, api.secret), 404)  # not connected
+        await connect_demo(api, browser, user)
+        fast, routed = await both_ways(http, "demo", user, api.secret)
+        same_answer(fast, routed, 200)
+        assert fast.json()["secret"] == API_KEY
+        same_answer(*await both_ways(http, "nope", user, api.secret), 404)
+        same_answer(*await both_ways(http, "demo", user, "cbs_not-a-secret"), 401)
+        same_answer(*await both_ways(http, "demo", user, None), 401)
+        same_answer(*await both_ways(http, "demo", user, limited.secret), 403)
+        other = {"issuer": "https://evil.example", "subject": user["subject"]}
+        same_answer(*await both_ways(http, "demo", other, api.secret), 400)

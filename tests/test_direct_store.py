@@ -1,0 +1,309 @@
+"""The direct store (app/direct/): the hot-path statements straight through asyncpg or sqlite3,
+on the same tables SQLAlchemy reads and writes. Run on the suite's database kind
+(`BROKER_TEST_DB`); the lock-waiting and group-commit cases are SQLite's own."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app import credentials
+from app.auth.principal import McpCaller, Principal
+from app.clock import utcnow
+from app.connect import service as flows
+from app.connect.service import MAX_OPEN_FLOWS_PER_USER, TooManyOpenFlows
+from app.crypto import Keyring, generate_key
+from app.db import create_engine, create_sessionmaker
+from app.direct import DirectStore, NewFlow, StoreUnavailable, open_direct_store
+from app.direct import sqlite as sqlite_store
+from app.integration_api import services
+from app.migrate import upgrade
+from app.models import FlowStatus
+
+from .support.broker import database_kind, drop_database, fresh_database
+
+ISSUER = "https://idp.example"
+KEYS = Keyring.parse((generate_key("k1"),))
+
+
+@dataclass
+class Database:
+    url: str
+    sessions: async_sessionmaker[AsyncSession]
+    store: DirectStore
+
+
+@pytest.fixture
+async def database(tmp_path: Path) -> AsyncIterator[Database]:
+    url = await asyncio.to_thread(fresh_database, tmp_path, "direct")
+    await asyncio.to_thread(upgrade, url)
+    engine = create_engine(url, pool_size=2)
+    store = open_direct_store(url, pool_size=2)
+    yield Database(url, create_sessionmaker(engine), store)
+    await store.close()
+    await engine.dispose()
+    await asyncio.to_thread(drop_database, url)
+
+
+def caller(subject: str) -> McpCaller:
+    return McpCaller(principal=Principal(ISSUER, subject), client_id="c1", scopes=frozenset())
+
+
+async def start_flow(store: DirectStore, subject: str, ttl_seconds: int = 600) -> flows.FlowView:
+    return await flows.create(
+        store,
+        caller=caller(subject),
+        client_name="Client",
+        provider="demo",
+        scopes=("repo",),
+        tool_name="connect_account",
+        args_digest="d" * 64,
+        ttl_seconds=ttl_seconds,
+    )
+
+
+async def test_a_connection_stored_by_the_orm_is_found_with_its_fields(database: Database) -> None:
+    alice = Principal(ISSUER, "alice")
+    expires = utcnow() + timedelta(hours=1)
+    async with database.sessions.begin() as session:
+        await credentials.store(
+            session,
+            keys=KEYS,
+            principal=alice,
+            provider="demo",
+            audience="mcp",
+            secret={"api_key": "sk_direct_1"},
+            scopes=frozenset({"b", "a"}),
+            account_label="alice@demo",
+            expires_at=expires,
+        )
+
+    found = await database.store.find_connection(ISSUER, "alice", "demo", "mcp")
+
+    assert found is not None
+    assert (found.provider, found.audience, found.status) == ("demo", "mcp", "active")
+    assert (found.scopes, found.account_label, found.expires_at) == ("a b", "alice@demo", expires)
+    assert credentials.open_row(found, keys=KEYS) == {"api_key": "sk_direct_1"}
+    assert await database.store.find_connection(ISSUER, "alice", "demo", "svc") is None
+    assert await database.store.find_connection(ISSUER, "bob", "demo", "mcp") is None
+
+
+async def test_a_flow_written_directly_reads_the_same_through_the_orm_and_back(
+    database: Database,
+) -> None:
+    created = await start_flow(database.store, "alice")
+    async with database.sessions() as session:
+        through_orm = await flows.get(session, flow_id=created.id)
+    direct = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
+
+    assert through_orm == direct
+    assert direct is not None
+    assert direct.status == FlowStatus.pending
+    assert direct.expires_at == created.expires_at  # microseconds and UTC survive both ways
+    assert direct.scopes == ("repo",)
+    assert direct.client_name == "Client"
+
+    async with database.sessions.begin() as session:
+        moved = await flows.transition(
+            session,
+            flow_id=created.id,
+            principal=created.principal,
+            from_statuses=(FlowStatus.pending,),
+            to_status=FlowStatus.completed,
+            account_label="alice@demo",
+        )
+    after = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
+
+    assert moved
+    assert after is not None
+    assert (after.status, after.account_label) == (FlowStatus.completed, "alice@demo")
+
+
+async def test_a_flow_is_not_read_for_another_principal_or_a_bad_id(database: Database) -> None:
+    created = await start_flow(database.store, "alice")
+
+    bob = Principal(ISSUER, "bob")
+    assert await flows.read_for(database.store, flow_id=created.id, principal=bob) is None
+    other_issuer = Principal("https://other.example", "alice")
+    assert await flows.read_for(database.store, flow_id=created.id, principal=other_issuer) is None
+    assert await flows.read_for(database.store, flow_id="x" * 65, principal=bob) is None
+    assert await flows.read_for(database.store, flow_id="", principal=bob) is None
+
+
+async def test_the_open_flow_cap_counts_every_open_status_and_only_unexpired_flows(
+    database: Database,
+) -> None:
+    started = [await start_flow(database.store, "carol") for _ in range(MAX_OPEN_FLOWS_PER_USER)]
+    async with database.sessions.begin() as session:  # an open flow further along still counts
+        assert await flows.transition(
+            session,
+            flow_id=started[0].id,
+            principal=started[0].principal,
+            from_statuses=(FlowStatus.pending,),
+            to_status=FlowStatus.authorizing,
+        )
+
+    with pytest.raises(TooManyOpenFlows):
+        await start_flow(database.store, "carol")
+    await start_flow(database.store, "dave")  # another user's flows do not count
+
+    async with database.sessions.begin() as session:  # a finished flow frees a place
+        assert await flows.end_by_client(
+            session,
+            flow_id=started[1].id,
+            principal=started[1].principal,
+            status=FlowStatus.declined,
+        )
+    await start_flow(database.store, "carol")
+    with pytest.raises(TooManyOpenFlows):
+        await start_flow(database.store, "carol")
+
+
+async def test_expired_flows_do_not_count_against_the_cap(database: Database) -> None:
+    for _ in range(MAX_OPEN_FLOWS_PER_USER):
+        await start_flow(database.store, "erin", ttl_seconds=-1)
+
+    fresh = await start_flow(database.store, "erin")
+
+    assert fresh.status == FlowStatus.pending
+
+
+async def test_a_live_service_is_found_by_its_digest_and_a_revoked_one_is_not(
+    database: Database,
+) -> None:
+    async with database.sessions.begin() as session:
+        secret = await services.create(session, keys=KEYS, name="svc", providers=("github",))
+
+    found = await services.authenticate(database.store, keys=KEYS, secret=secret)
+    assert found == services.Service(name="svc", providers=frozenset({"github"}))
+    assert await services.authenticate(database.store, keys=KEYS, secret=secret + "x") is None
+
+    async with database.sessions.begin() as session:
+        assert await services.revoke(session, name="svc")
+    assert await services.authenticate(database.store, keys=KEYS, secret=secret) is None
+
+
+async def test_an_unreachable_database_is_store_unavailable(tmp_path: Path) -> None:
+    if database_kind() == "sqlite":
+        url = f"sqlite:///{tmp_path / 'missing-dir' / 'broker.db'}"
+    else:
+        url = "postgresql://postgres@127.0.0.1:1/nothing"  # nothing listens on port 1
+    store = open_direct_store(url, pool_size=1)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.find_connection(ISSUER, "alice", "demo", "mcp")
+    finally:
+        await store.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# SQLite: the event loop never waits for the write lock, and inserts are group-committed
+# ------------------------------------------------------------------------------------------------
+
+# (whatever database the suite runs on: these are SQLite's own behaviours)
+
+
+@pytest.fixture
+async def sqlite_database(tmp_path: Path) -> AsyncIterator[Database]:
+    url = f"sqlite:///{tmp_path / 'direct.db'}"
+    await asyncio.to_thread(upgrade, url)
+    engine = create_engine(url, pool_size=2)
+    store = open_direct_store(url, pool_size=2)
+    yield Database(url, create_sessionmaker(engine), store)
+    await store.close()
+    await engine.dispose()
+
+
+def sqlite_path(url: str) -> str:
+    return url.removeprefix("sqlite:///")
+
+
+async def test_an_insert_waits_for_a_held_write_lock_off_the_event_loop(
+    sqlite_database: Database,
+) -> None:
+    holder = sqlite3.connect(sqlite_path(sqlite_database.url), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another writer (say, the CLI) holds the lock
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.create_task(tick())
+    insert = asyncio.create_task(start_flow(sqlite_database.store, "frank"))
+    await asyncio.sleep(0.3)
+    assert not insert.done()  # still waiting for the lock…
+    ticks_while_locked = ticks
+    holder.execute("COMMIT")
+    holder.close()
+    created = await asyncio.wait_for(insert, 5)
+    ticker.cancel()
+
+    assert ticks_while_locked >= 10  # …while the event loop kept running
+    assert await flows.read_for(
+        sqlite_database.store, flow_id=created.id, principal=created.principal
+    )
+
+
+async def test_inserts_of_one_loop_turn_share_one_commit(
+    sqlite_database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[int] = []
+    apply = sqlite_store._apply
+
+    def counting(connection: sqlite3.Connection, writes: list[sqlite_store._Write]) -> object:
+        batches.append(len(writes))
+        return apply(connection, writes)
+
+    monkeypatch.setattr(sqlite_store, "_apply", counting)
+
+    created = await asyncio.gather(*(start_flow(sqlite_database.store, f"g{i}") for i in range(32)))
+
+    assert batches == [32]
+    for flow in created:
+        assert await flows.read_for(
+            sqlite_database.store, flow_id=flow.id, principal=flow.principal
+        )
+
+
+async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Database) -> None:
+    now = utcnow()
+
+    def new_flow(flow_id: str, subject: str) -> NewFlow:
+        return NewFlow(
+            id=flow_id,
+            issuer=ISSUER,
+            subject=subject,
+            client_id="c1",
+            client_name=None,
+            audience="mcp",
+            provider="demo",
+            scopes="",
+            tool_name="connect_account",
+            args_digest="d" * 64,
+            created_at=now,
+            expires_at=now + timedelta(minutes=10),
+        )
+
+    results = await asyncio.gather(
+        sqlite_database.store.insert_flow(new_flow("same-id", "hank"), max_open=20),
+        sqlite_database.store.insert_flow(new_flow("same-id", "ivan"), max_open=20),
+        sqlite_database.store.insert_flow(new_flow("other-id", "judy"), max_open=20),
+        return_exceptions=True,
+    )
+
+    assert results[0] is True
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert results[2] is True
+    judy = await sqlite_database.store.get_flow("other-id")
+    assert judy is not None
+    assert judy.subject == "judy"
