@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -307,3 +308,28 @@ async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Databa
     judy = await sqlite_database.store.get_flow("other-id")
     assert judy is not None
     assert judy.subject == "judy"
+
+
+async def test_the_wal_is_checkpointed_off_the_event_loop_after_writes(
+    sqlite_database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint syncs the database file: the loop's connection never runs one itself."""
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_DELAY_SECONDS", 0.05)
+    threads: list[str] = []
+    checkpoint = sqlite_store.SqliteStore._checkpoint_wal
+
+    def recording(store: sqlite_store.SqliteStore) -> None:
+        threads.append(threading.current_thread().name)
+        checkpoint(store)
+
+    monkeypatch.setattr(sqlite_store.SqliteStore, "_checkpoint_wal", recording)
+
+    await asyncio.gather(*(start_flow(sqlite_database.store, f"k{i}") for i in range(3)))
+    await asyncio.sleep(0.3)
+
+    assert len(threads) == 1
+    assert threads[0].startswith("sqlite-wait")
+    store = sqlite_database.store
+    assert isinstance(store, sqlite_store.SqliteStore)
+    loop_connection = store._on_loop()
+    assert loop_connection.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)

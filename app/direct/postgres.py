@@ -97,7 +97,9 @@ class PostgresStore:
     async def _run(self, use: Callable[[asyncpg.Connection[Any]], Awaitable[T]]) -> T:
         try:
             pool = await self._get_pool()
-            async with pool.acquire(timeout=ACQUIRE_TIMEOUT_SECONDS) as connection:
+            # a bounded wait costs asyncpg an extra task; it only matters when none is idle
+            timeout = None if pool.get_idle_size() else ACQUIRE_TIMEOUT_SECONDS
+            async with pool.acquire(timeout=timeout) as connection:
                 return await use(connection)
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from exc

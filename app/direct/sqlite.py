@@ -9,6 +9,9 @@ wait the usual five seconds, and the event loop keeps serving other requests mea
 Writes are group-committed: inserts issued during one turn of the event loop share one
 transaction, committed on the next turn (a commit costs more than the insert itself). Each insert
 succeeds or fails alone: SQLite backs out a failed statement without ending the transaction.
+The loop's connection never checkpoints the WAL itself (a checkpoint syncs the database file to
+disk, milliseconds the loop would stand still): a passive checkpoint runs on the worker thread
+a second after writes.
 Datetimes are stored as SQLAlchemy's SQLite dialect stores them: naive UTC, "YYYY-MM-DD
 HH:MM:SS.ffffff", so comparisons in SQL stay lexical and match.
 """
@@ -35,6 +38,7 @@ from app.direct.records import (
 T = TypeVar("T")
 
 WAIT_FOR_LOCK_MS = 5000
+CHECKPOINT_DELAY_SECONDS = 1.0
 BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 FIND_CONNECTION = """
@@ -131,6 +135,7 @@ class SqliteStore:
         self._loop_connection: sqlite3.Connection | None = None
         self._batch: list[_Write] = []
         self._committing: set[asyncio.Task[None]] = set()
+        self._checkpoint: asyncio.TimerHandle | None = None
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
         self._waiter_local = threading.local()
 
@@ -142,6 +147,8 @@ class SqliteStore:
         connection.execute("PRAGMA synchronous = NORMAL")
         connection.execute("PRAGMA foreign_keys = ON")
         connection.execute("PRAGMA cache_size = -32000")
+        if busy_timeout_ms == 0:  # the loop's connection: checkpoints belong to the worker
+            connection.execute("PRAGMA wal_autocheckpoint = 0")
         return connection
 
     def _on_loop(self) -> sqlite3.Connection:
@@ -186,6 +193,8 @@ class SqliteStore:
             outcomes = await self._run(lambda c: _apply(c, writes))
         except Exception as exc:  # every waiting request gets the failure
             outcomes = [exc] * len(writes)
+        else:
+            self._schedule_checkpoint()
         for write, outcome in zip(writes, outcomes, strict=True):
             if write.done.done():
                 continue  # the request was cancelled meanwhile
@@ -193,6 +202,19 @@ class SqliteStore:
                 write.done.set_exception(outcome)
             else:
                 write.done.set_result(outcome)
+
+    def _schedule_checkpoint(self) -> None:
+        if self._checkpoint is None:
+            loop = asyncio.get_running_loop()
+            self._checkpoint = loop.call_later(CHECKPOINT_DELAY_SECONDS, self._start_checkpoint)
+
+    def _start_checkpoint(self) -> None:
+        self._checkpoint = None
+        future = asyncio.get_running_loop().run_in_executor(self._waiter, self._checkpoint_wal)
+        future.add_done_callback(lambda done: done.exception())  # a failed one: the next try
+
+    def _checkpoint_wal(self) -> None:
+        self._on_waiter().execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     async def find_connection(
         self, issuer: str, subject: str, provider: str, audience: str
@@ -245,6 +267,9 @@ class SqliteStore:
         return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
 
     async def close(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint.cancel()
+            self._checkpoint = None
         if self._loop_connection is not None:
             self._loop_connection.close()
             self._loop_connection = None
