@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -151,6 +152,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await runtime.notifier.start()
+        # Everything built so far lives as long as the process: exempt it from the cyclic
+        # collector, whose full passes otherwise walk it all and pause every request meanwhile.
+        gc.collect()
+        gc.freeze()
         purger = asyncio.create_task(_purge_forever(runtime))
         try:
             yield

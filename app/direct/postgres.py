@@ -85,6 +85,7 @@ class PostgresStore:
                         min_size=1,
                         max_size=self._pool_size,
                         reset=_keep_session,
+                        max_inactive_connection_lifetime=0,
                         timeout=CONNECT_TIMEOUT_SECONDS,
                         command_timeout=STATEMENT_TIMEOUT_SECONDS,
                         server_settings={
@@ -97,9 +98,7 @@ class PostgresStore:
     async def _run(self, use: Callable[[asyncpg.Connection[Any]], Awaitable[T]]) -> T:
         try:
             pool = await self._get_pool()
-            # a bounded wait costs asyncpg an extra task; it only matters when none is idle
-            timeout = None if pool.get_idle_size() else ACQUIRE_TIMEOUT_SECONDS
-            async with pool.acquire(timeout=timeout) as connection:
+            async with pool.acquire(timeout=ACQUIRE_TIMEOUT_SECONDS) as connection:
                 return await use(connection)
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from exc
