@@ -8,6 +8,7 @@ of the key without the suffix (for secrets mounted as files). Errors name the of
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -126,7 +127,7 @@ class Settings:
     def audience(self) -> str:
         return self.identity.audience or self.mcp_url
 
-    @property
+    @functools.cached_property
     def public_origin(self) -> str:
         parts = urlsplit(self.public_url)
         return f"{parts.scheme}://{parts.netloc}"
