@@ -333,3 +333,17 @@ async def test_the_wal_is_checkpointed_off_the_event_loop_after_writes(
     assert isinstance(store, sqlite_store.SqliteStore)
     loop_connection = store._on_loop()
     assert loop_connection.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+
+
+async def test_a_file_that_is_not_a_database_is_store_unavailable(tmp_path: Path) -> None:
+    """What a replaced or corrupted file gives reads and writes: a 503, not a 500."""
+    path = tmp_path / "broker.db"
+    path.write_bytes(b"this is not a database" * 100)
+    store = open_direct_store(f"sqlite:///{path}", pool_size=1)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.get_flow("some-flow")
+        with pytest.raises(StoreUnavailable):
+            await start_flow(store, "leo")
+    finally:
+        await store.close()

@@ -19,6 +19,7 @@ HH:MM:SS.ffffff", so comparisons in SQL stay lexical and match.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -117,14 +118,13 @@ def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | E
         for write in writes:
             try:
                 outcomes.append(connection.execute(write.statement, write.values).rowcount)
-            except sqlite3.OperationalError:
-                raise  # busy or I/O: the whole batch is retried or fails
-            except sqlite3.Error as exc:
+            except sqlite3.IntegrityError as exc:  # this row's own fault; others go on
                 outcomes.append(exc)
         connection.execute("COMMIT")
     except BaseException:
         if connection.in_transaction:
-            connection.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # the original error is the one to report
+                connection.execute("ROLLBACK")
         raise
     return outcomes
 
@@ -171,7 +171,9 @@ class SqliteStore:
                     raise
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._waiter, lambda: use(self._on_waiter()))
-        except sqlite3.OperationalError as exc:
+        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
+            raise  # a constraint or a bug, not the database being unavailable
+        except sqlite3.DatabaseError as exc:  # locked, I/O, full, corrupt, not a database …
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
     async def _write(self, statement: str, values: dict[str, Any]) -> int:
