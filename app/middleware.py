@@ -6,6 +6,7 @@ replaced by `AccessLog`, which logs method, path, status and duration only (SECU
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import time
@@ -13,6 +14,10 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("broker.access")
+# Request ids correlate log lines and error pages; they carry no authority, so a random tag per
+# process and a counter do (no random draw per request).
+_PROCESS_TAG = secrets.token_hex(4)
+_sequence = itertools.count(1)
 
 
 class HostGuard:
@@ -59,7 +64,7 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = secrets.token_hex(8)
+        request_id = f"{_PROCESS_TAG}{next(_sequence):08x}"
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500

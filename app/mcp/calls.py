@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.datastructures import Headers
-
 from app.auth.principal import McpCaller
 from app.connect import service as flows
 from app.connect.refresh import usable_credential
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
 from app.credentials import Credential
-from app.mcp.envelope import Message, check_param_headers
+from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
@@ -89,7 +87,7 @@ class CallToolRound:
         name_value = client_info.get("name") if isinstance(client_info, dict) else None
         self.client_name = name_value[:255] if isinstance(name_value, str) else None
 
-    async def run(self, headers: Headers) -> dict[str, Any]:
+    async def run(self, headers: HeaderMap) -> dict[str, Any]:
         check_param_headers(headers, self.tool.input_schema, self.arguments)
         state: StatePayload | None = None
         if "requestState" in self.message.params:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
 from app.auth.principal import McpCaller
-from app.mcp.envelope import Message, check_message, parse_body
+from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
 from app.mcp.methods import METHODS
 from app.mcp.protocol import (
     INTERNAL_ERROR,
@@ -62,18 +62,19 @@ def _error(exc: JsonRpcError, request_id: Any = None) -> Response:
 
 async def mcp_endpoint(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
+    headers = header_map(request.scope["headers"])
     message: Message | None = None
     try:
-        _check_origin(request, runtime)
-        caller = await _authenticate(request, runtime)
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        _check_origin(headers, runtime)
+        caller = await _authenticate(headers, runtime)
+        content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise _HttpRefusal(
                 415, _plain_error(INVALID_REQUEST, "Content-Type must be application/json")
             )
-        body = await _read_body(request, runtime.settings.server.max_body_bytes)
+        body = await _read_body(request, headers, runtime.settings.server.max_body_bytes)
         message = parse_body(body)
-        check_message(message, request.headers)
+        check_message(message, headers)
         method = METHODS.get(message.method)
         if method is None:
             if message.id is None:
@@ -83,7 +84,7 @@ async def mcp_endpoint(request: Request) -> Response:
             )
         if message.id is None:
             return Response(status_code=202)
-        result = await method(runtime, caller, message, request.headers)
+        result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
         return _error(exc, message.id if message else None)
     except _HttpRefusal as refusal:
@@ -111,17 +112,17 @@ def _plain_error(code: int, text: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "error": {"code": code, "message": text}}
 
 
-def _check_origin(request: Request, runtime: Runtime) -> None:
-    origin = request.headers.get("origin")
+def _check_origin(headers: HeaderMap, runtime: Runtime) -> None:
+    origin = headers.get("origin")
     if origin is not None and origin not in runtime.allowed_origins:
         raise _HttpRefusal(403, _plain_error(INVALID_REQUEST, "Origin not allowed"))
 
 
-async def _authenticate(request: Request, runtime: Runtime) -> McpCaller:
+async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
     settings = runtime.settings
     metadata_url = f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp"
     required = " ".join(settings.identity.required_scopes)
-    token = bearer_token(request.headers.get("authorization"))
+    token = bearer_token(headers.get("authorization"))
     if token is None:
         raise _HttpRefusal(
             401,
@@ -160,8 +161,8 @@ async def _authenticate(request: Request, runtime: Runtime) -> McpCaller:
     return caller
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def _read_body(request: Request, headers: HeaderMap, limit: int) -> bytes:
+    declared = headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise _HttpRefusal(413, _plain_error(INVALID_REQUEST, "The request body is too large"))
     chunks: list[bytes] = []

@@ -10,10 +10,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from starlette.datastructures import Headers
 
 from app.mcp.protocol import (
     HEADER_MISMATCH,
@@ -28,6 +27,7 @@ from app.mcp.protocol import (
 )
 
 RequestId = str | int
+HeaderMap = Mapping[str, str]  # lower-case names; the first of repeated headers wins
 NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 
@@ -44,6 +44,15 @@ class Message:
     def capabilities(self) -> dict[str, Any]:
         caps: dict[str, Any] = self.meta[META_CLIENT_CAPABILITIES]
         return caps
+
+
+def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """An ASGI scope's headers as one dict, built once per request (each lookup in Starlette's
+    `Headers` scans the list). ASGI names are lower-case already."""
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
 
 
 class _DuplicateKey(ValueError):
@@ -106,7 +115,7 @@ def _invalid(message: str) -> JsonRpcError:
     return JsonRpcError(INVALID_REQUEST, message, http_status=400)
 
 
-def check_message(message: Message, headers: Headers) -> None:
+def check_message(message: Message, headers: HeaderMap) -> None:
     """Validate _meta, the version and the MCP headers against the body (notifications: headers).
 
     Raises:
@@ -136,7 +145,7 @@ def check_message(message: Message, headers: Headers) -> None:
             raise _mismatch(f"The Mcp-Name header is missing or differs from params.{name_field}")
 
 
-def _check_notification_version(headers: Headers) -> None:
+def _check_notification_version(headers: HeaderMap) -> None:
     """Notifications carry no request _meta (schema NotificationParams): only the header counts."""
     version = _header(headers, "mcp-protocol-version")
     if not version:
@@ -146,7 +155,7 @@ def _check_notification_version(headers: Headers) -> None:
 
 
 def check_param_headers(
-    headers: Headers, schema: dict[str, Any], arguments: dict[str, Any]
+    headers: HeaderMap, schema: dict[str, Any], arguments: dict[str, Any]
 ) -> None:
     """Arguments annotated `x-mcp-header` must be mirrored in `Mcp-Param-<Name>` (SEP-2243).
 
@@ -176,7 +185,7 @@ def _same_value(header: str, expected: str, value: Any) -> bool:
     return header == expected
 
 
-def _header(headers: Headers, name: str) -> str | None:
+def _header(headers: HeaderMap, name: str) -> str | None:
     raw = headers.get(name)
     if raw is None:
         return None

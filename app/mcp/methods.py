@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.datastructures import Headers
-
 from app.auth.principal import McpCaller
 from app.mcp.calls import CallToolRound
-from app.mcp.envelope import Message
+from app.mcp.envelope import HeaderMap, Message
 from app.mcp.protocol import SUPPORTED_VERSIONS, invalid_params
 from app.runtime import Runtime
 
@@ -19,11 +17,11 @@ INSTRUCTIONS = (
     "connect_account when a provider is needed; the user finishes the connection in a browser."
 )
 
-Method = Callable[[Runtime, McpCaller, Message, Headers], Awaitable[dict[str, Any]]]
+Method = Callable[[Runtime, McpCaller, Message, HeaderMap], Awaitable[dict[str, Any]]]
 
 
 async def discover(
-    runtime: Runtime, _caller: McpCaller, _message: Message, _headers: Headers
+    runtime: Runtime, _caller: McpCaller, _message: Message, _headers: HeaderMap
 ) -> dict[str, Any]:
     return {
         "resultType": "complete",
@@ -36,7 +34,7 @@ async def discover(
 
 
 async def list_tools(
-    runtime: Runtime, _caller: McpCaller, message: Message, _headers: Headers
+    runtime: Runtime, _caller: McpCaller, message: Message, _headers: HeaderMap
 ) -> dict[str, Any]:
     if message.params.get("cursor") is not None:
         raise invalid_params("Invalid cursor: tools/list has a single page")
@@ -49,7 +47,7 @@ async def list_tools(
 
 
 async def call_tool(
-    runtime: Runtime, caller: McpCaller, message: Message, headers: Headers
+    runtime: Runtime, caller: McpCaller, message: Message, headers: HeaderMap
 ) -> dict[str, Any]:
     return await CallToolRound(runtime, caller, message).run(headers)
 
