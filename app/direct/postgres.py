@@ -19,6 +19,8 @@ from app.direct.records import (
     NewFlow,
     ServiceRecord,
     StoreUnavailable,
+    connection_record,
+    flow_record,
 )
 from app.models import OPEN_FLOW_STATUSES
 
@@ -111,18 +113,7 @@ class PostgresStore:
         )
         if row is None:
             return None
-        return ConnectionRecord(
-            id=row[0],
-            issuer=issuer,
-            subject=subject,
-            provider=provider,
-            audience=audience,
-            status=row[1],
-            sealed_credential=row[2],
-            scopes=row[3],
-            account_label=row[4],
-            expires_at=row[5],
-        )
+        return connection_record((issuer, subject, provider, audience), row, row[5])
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         status: str = await self._run(
@@ -148,7 +139,7 @@ class PostgresStore:
 
     async def get_flow(self, flow_id: str) -> FlowRecord | None:
         row = await self._run(lambda c: c.fetchrow(GET_FLOW, flow_id))
-        return FlowRecord(*row) if row is not None else None  # GET_FLOW lists the fields in order
+        return flow_record(row, row[11]) if row is not None else None
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         row = await self._run(lambda c: c.fetchrow(FIND_SERVICE, digests))

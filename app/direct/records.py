@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StoreUnavailable(ConnectionError):
@@ -43,6 +44,46 @@ class FlowRecord:
     account_label: str | None
     failure: str | None
     expires_at: datetime
+
+
+def connection_record(
+    key: tuple[str, str, str, str], row: Sequence[Any], expires_at: datetime | None
+) -> ConnectionRecord:
+    """The record for (issuer, subject, provider, audience) from a row of the stores'
+    `FIND_CONNECTION` (id, status, sealed_credential, scopes, account_label, expires_at),
+    with `expires_at` as the driver's row gives it, converted."""
+    issuer, subject, provider, audience = key
+    return ConnectionRecord(
+        id=row[0],
+        issuer=issuer,
+        subject=subject,
+        provider=provider,
+        audience=audience,
+        status=row[1],
+        sealed_credential=row[2],
+        scopes=row[3],
+        account_label=row[4],
+        expires_at=expires_at,
+    )
+
+
+def flow_record(row: Sequence[Any], expires_at: datetime) -> FlowRecord:
+    """The record from a row of the stores' `GET_FLOW` (the fields in order, `expires_at` last),
+    with `expires_at` converted."""
+    return FlowRecord(
+        id=row[0],
+        issuer=row[1],
+        subject=row[2],
+        client_id=row[3],
+        client_name=row[4],
+        audience=row[5],
+        provider=row[6],
+        scopes=row[7],
+        status=row[8],
+        account_label=row[9],
+        failure=row[10],
+        expires_at=expires_at,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,8 @@ from app.direct.records import (
     NewFlow,
     ServiceRecord,
     StoreUnavailable,
+    connection_record,
+    flow_record,
 )
 
 T = TypeVar("T")
@@ -84,23 +86,6 @@ def _placeholders(count: int) -> str:
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return getattr(exc, "sqlite_errorcode", 0) & 0xFF in BUSY_CODES
-
-
-def _flow(row: tuple[Any, ...]) -> FlowRecord:
-    return FlowRecord(
-        id=row[0],
-        issuer=row[1],
-        subject=row[2],
-        client_id=row[3],
-        client_name=row[4],
-        audience=row[5],
-        provider=row[6],
-        scopes=row[7],
-        status=row[8],
-        account_label=row[9],
-        failure=row[10],
-        expires_at=read_time(row[11]),
-    )
 
 
 @dataclass
@@ -226,18 +211,8 @@ class SqliteStore:
         )
         if row is None:
             return None
-        return ConnectionRecord(
-            id=row[0],
-            issuer=issuer,
-            subject=subject,
-            provider=provider,
-            audience=audience,
-            status=row[1],
-            sealed_credential=row[2],
-            scopes=row[3],
-            account_label=row[4],
-            expires_at=read_time(row[5]) if row[5] is not None else None,
-        )
+        expires_at = read_time(row[5]) if row[5] is not None else None
+        return connection_record((issuer, subject, provider, audience), row, expires_at)
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         values: dict[str, Any] = {
@@ -261,7 +236,7 @@ class SqliteStore:
         row = await self._run(lambda c: c.execute(GET_FLOW, (flow_id,)).fetchone())
         if row is None:
             return None
-        return _flow(row)
+        return flow_record(row, read_time(row[11]))
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         statement = FIND_SERVICE.format(digests=_placeholders(len(digests)))
