@@ -121,8 +121,11 @@ class BrokerApp(FastAPI):
             fast = None
             if path == "/mcp":
                 fast = self.mcp_stack
-            elif path.startswith(credential_fetch.PREFIX) and credential_fetch.user_query(scope):
-                fast = self.credential_stack
+            elif path.startswith(credential_fetch.PREFIX):
+                user = credential_fetch.user_query(scope)
+                if user is not None:
+                    scope[credential_fetch.USER_KEY] = user
+                    fast = self.credential_stack
             if fast is not None:
                 scope["app"] = self
                 await fast(scope, receive, send)

@@ -28,6 +28,9 @@ from app.integration_api.routes import InvalidServiceCredentials, credential, pr
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"
+USER_KEY = (
+    "connect_broker.user"  # the scope entry where the dispatcher leaves `user_query`'s answer
+)
 MAX_QUERY_VALUE = 255
 
 
@@ -59,8 +62,7 @@ def user_query(scope: Scope) -> tuple[str, str] | None:
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive)
     runtime: Runtime = request.app.state.runtime
-    user = user_query(scope)
-    assert user is not None, "dispatched here only when user_query accepts the request"
+    user: tuple[str, str] = scope[USER_KEY]
     provider = scope["path"].removeprefix(PREFIX)
     try:
         scheme, secret = get_authorization_scheme_param(request.headers.get("authorization"))
