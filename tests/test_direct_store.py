@@ -5,6 +5,7 @@ on the same tables SQLAlchemy reads and writes. Run on the suite's database kind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 from collections.abc import AsyncIterator
@@ -41,15 +42,24 @@ class Database:
     store: DirectStore
 
 
+@contextlib.asynccontextmanager
+async def migrated(url: str) -> AsyncIterator[Database]:
+    """The schema built at `url`, with an ORM session maker and a direct store on it."""
+    await asyncio.to_thread(upgrade, url)  # it runs its own event loop
+    engine = create_engine(url, pool_size=2)
+    store = open_direct_store(url, pool_size=2)
+    try:
+        yield Database(url, create_sessionmaker(engine), store)
+    finally:
+        await store.close()
+        await engine.dispose()
+
+
 @pytest.fixture
 async def database(tmp_path: Path) -> AsyncIterator[Database]:
     url = await asyncio.to_thread(fresh_database, tmp_path, "direct")
-    await asyncio.to_thread(upgrade, url)
-    engine = create_engine(url, pool_size=2)
-    store = open_direct_store(url, pool_size=2)
-    yield Database(url, create_sessionmaker(engine), store)
-    await store.close()
-    await engine.dispose()
+    async with migrated(url) as opened:
+        yield opened
     await asyncio.to_thread(drop_database, url)
 
 
@@ -213,13 +223,8 @@ async def test_an_unreachable_database_is_store_unavailable(tmp_path: Path) -> N
 
 @pytest.fixture
 async def sqlite_database(tmp_path: Path) -> AsyncIterator[Database]:
-    url = f"sqlite:///{tmp_path / 'direct.db'}"
-    await asyncio.to_thread(upgrade, url)
-    engine = create_engine(url, pool_size=2)
-    store = open_direct_store(url, pool_size=2)
-    yield Database(url, create_sessionmaker(engine), store)
-    await store.close()
-    await engine.dispose()
+    async with migrated(f"sqlite:///{tmp_path / 'direct.db'}") as opened:
+        yield opened
 
 
 def sqlite_path(url: str) -> str:
