@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,13 @@ from app.connect import service as flows
 from app.connect.service import MAX_OPEN_FLOWS_PER_USER, TooManyOpenFlows
 from app.crypto import Keyring, generate_key
 from app.db import create_engine, create_sessionmaker
-from app.direct import DirectStore, NewFlow, StoreUnavailable, open_direct_store
+from app.direct import (
+    ConnectionRecord,
+    DirectStore,
+    NewFlow,
+    StoreUnavailable,
+    open_direct_store,
+)
 from app.direct import sqlite as sqlite_store
 from app.integration_api import services
 from app.migrate import upgrade
@@ -199,6 +205,66 @@ async def test_a_live_service_is_found_by_its_digest_and_a_revoked_one_is_not(
     async with database.sessions.begin() as session:
         assert await services.revoke(session, name="svc")
     assert await services.authenticate(database.store, keys=KEYS, secret=secret) is None
+
+
+async def test_a_service_is_read_with_its_own_connection_only(database: Database) -> None:
+    alice, bob = Principal(ISSUER, "alice"), Principal(ISSUER, "bob")
+    expires = utcnow() + timedelta(hours=1)
+    async with database.sessions.begin() as session:
+        secret = await services.create(session, keys=KEYS, name="svc", providers=())
+        for audience, key in (("svc", "sk_own_1"), ("mcp", "sk_broker_1")):
+            await credentials.store(
+                session,
+                keys=KEYS,
+                principal=alice,
+                provider="demo",
+                audience=audience,
+                secret={"api_key": key},
+                scopes=frozenset({"read"}),
+                account_label="alice@demo",
+                expires_at=expires,
+            )
+        await credentials.store(
+            session,
+            keys=KEYS,
+            principal=bob,
+            provider="demo",
+            audience="mcp",  # bob's only connection belongs to another audience
+            secret={"api_key": "sk_broker_2"},
+            scopes=frozenset(),
+            account_label=None,
+            expires_at=None,
+        )
+
+    def read(
+        secret: str, principal: Principal, provider: str = "demo"
+    ) -> Awaitable[tuple[services.Service, ConnectionRecord | None] | None]:
+        return services.authenticate_with_own_connection(
+            database.store, keys=KEYS, secret=secret, principal=principal, provider=provider
+        )
+
+    found = await read(secret, alice)
+    assert found is not None
+    service, own = found
+    assert service == services.Service(name="svc", providers=frozenset())
+    assert own is not None
+    assert (own.issuer, own.subject, own.provider, own.audience) == (ISSUER, "alice", "demo", "svc")
+    assert (own.status, own.scopes, own.account_label, own.expires_at) == (
+        "active",
+        "read",
+        "alice@demo",
+        expires,
+    )
+    assert credentials.open_row(own, keys=KEYS) == {"api_key": "sk_own_1"}
+    assert own == await database.store.find_connection(ISSUER, "alice", "demo", "svc")
+
+    assert await read(secret, bob) == (service, None)
+    assert await read(secret, alice, provider="other") == (service, None)
+    assert await read(secret + "x", alice) is None
+    assert await read("not-a-service-secret", alice) is None
+    async with database.sessions.begin() as session:
+        assert await services.revoke(session, name="svc")
+    assert await read(secret, alice) is None
 
 
 async def test_an_unreachable_database_is_store_unavailable(tmp_path: Path) -> None:

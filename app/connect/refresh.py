@@ -47,6 +47,20 @@ async def usable_credential(
     row = await runtime.direct.find_connection(
         principal.issuer, principal.subject, provider, audience
     )
+    return await usable_from_row(
+        runtime, row, principal=principal, provider=provider, audience=audience
+    )
+
+
+async def usable_from_row(
+    runtime: Runtime,
+    row: ConnectionRecord | None,
+    *,
+    principal: Principal,
+    provider: str,
+    audience: str,
+) -> Credential | None:
+    """`usable_credential` for a row already read (`find_connection` of the same key)."""
     if row is None or row.status != ConnectionStatus.active:
         return None
     secret = credentials.open_row(row, keys=runtime.sealing_keys)

@@ -65,6 +65,15 @@ SELECT name, providers FROM service_clients
 WHERE secret_digest = ANY($1::text[]) AND revoked_at IS NULL
 LIMIT 1
 """
+FIND_SERVICE_AND_OWN_CONNECTION = """
+SELECT s.name, s.providers,
+       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
+FROM service_clients AS s
+LEFT JOIN connections AS c
+  ON c.issuer = $2 AND c.subject = $3 AND c.provider = $4 AND c.audience = s.name
+WHERE s.secret_digest = ANY($1::text[]) AND s.revoked_at IS NULL
+LIMIT 1
+"""
 
 
 async def _keep_session(_connection: asyncpg.Connection[Any]) -> None:
@@ -144,6 +153,19 @@ class PostgresStore:
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         row = await self._run(lambda c: c.fetchrow(FIND_SERVICE, digests))
         return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
+
+    async def find_service_and_own_connection(
+        self, digests: list[str], issuer: str, subject: str, provider: str
+    ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
+        values = (digests, issuer, subject, provider)
+        row = await self._run(lambda c: c.fetchrow(FIND_SERVICE_AND_OWN_CONNECTION, *values))
+        if row is None:
+            return None
+        service = ServiceRecord(name=row[0], providers=row[1])
+        if row[2] is None:
+            return service, None
+        key = (issuer, subject, provider, service.name)
+        return service, connection_record(key, row[2:], row[7])
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -126,4 +126,11 @@ class DirectStore(Protocol):
         """The unrevoked service whose secret digest is one of `digests`."""
         ...
 
+    async def find_service_and_own_connection(
+        self, digests: list[str], issuer: str, subject: str, provider: str
+    ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
+        """`find_service`, and in the same statement the connection that service made for
+        (issuer, subject, provider), if any: a credential fetch in one round trip."""
+        ...
+
     async def close(self) -> None: ...

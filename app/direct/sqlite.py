@@ -70,6 +70,15 @@ SELECT name, providers FROM service_clients
 WHERE secret_digest IN ({digests}) AND revoked_at IS NULL
 LIMIT 1
 """
+FIND_SERVICE_AND_OWN_CONNECTION = """
+SELECT s.name, s.providers,
+       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
+FROM service_clients AS s
+LEFT JOIN connections AS c
+  ON c.issuer = ? AND c.subject = ? AND c.provider = ? AND c.audience = s.name
+WHERE s.secret_digest IN ({digests}) AND s.revoked_at IS NULL
+LIMIT 1
+"""
 
 
 def stored_time(value: datetime) -> str:
@@ -242,6 +251,21 @@ class SqliteStore:
         statement = FIND_SERVICE.format(digests=_placeholders(len(digests)))
         row = await self._run(lambda c: c.execute(statement, digests).fetchone())
         return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
+
+    async def find_service_and_own_connection(
+        self, digests: list[str], issuer: str, subject: str, provider: str
+    ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
+        statement = FIND_SERVICE_AND_OWN_CONNECTION.format(digests=_placeholders(len(digests)))
+        values = (issuer, subject, provider, *digests)
+        row = await self._run(lambda c: c.execute(statement, values).fetchone())
+        if row is None:
+            return None
+        service = ServiceRecord(name=row[0], providers=row[1])
+        if row[2] is None:
+            return service, None
+        expires_at = read_time(row[7]) if row[7] is not None else None
+        key = (issuer, subject, provider, service.name)
+        return service, connection_record(key, row[2:], expires_at)
 
     async def close(self) -> None:
         if self._checkpoint is not None:

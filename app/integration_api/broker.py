@@ -8,6 +8,7 @@ so it cannot be replayed by another service, for another user or another request
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -15,9 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
-from app.connect.refresh import usable_credential
+from app.connect.refresh import usable_credential, usable_from_row
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
+from app.direct import ConnectionRecord
 from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.mcp.protocol import JsonRpcError
@@ -129,12 +131,24 @@ def readable_audiences(runtime: Runtime, service: Service) -> tuple[str, ...]:
 
 
 async def usable_for(
-    runtime: Runtime, service: Service, provider: str, principal: Principal
+    runtime: Runtime,
+    service: Service,
+    provider: str,
+    principal: Principal,
+    *,
+    known: Mapping[str, ConnectionRecord | None] | None = None,
 ) -> CredentialView | None:
+    """The first usable credential among the audiences the service reads, its own first.
+    `known`: connection rows already read for this user and provider, by audience."""
     for audience in readable_audiences(runtime, service):
-        found = await usable_credential(
-            runtime, principal=principal, provider=provider, audience=audience
-        )
+        if known is not None and audience in known:
+            found = await usable_from_row(
+                runtime, known[audience], principal=principal, provider=provider, audience=audience
+            )
+        else:
+            found = await usable_credential(
+                runtime, principal=principal, provider=provider, audience=audience
+            )
         if found is not None:
             kind = (
                 "oauth2"

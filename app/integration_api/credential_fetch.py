@@ -3,9 +3,10 @@ per-request machinery (routing, dependency solving, response-model validation: m
 such a request costs).
 
 Only well-formed requests come here: exactly the `issuer` and `subject` query parameters, each
-1-255 characters, and a bearer secret. Everything else (a missing or extra parameter, any other
-method) goes to the FastAPI route, the same route function this calls, which answers it the
-documented way (422 problem JSON and so on). Both give the same responses.
+1-255 characters. Everything else (a missing or extra parameter, any other method) goes to the
+FastAPI route, which answers it the documented way (422 problem JSON and so on). Both give the
+same responses: this path runs the route's own function (`credential_for`), having read the
+service and its own connection for the user in one statement.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.auth.principal import Principal
 from app.errors import (
     DATABASE_ERRORS,
     BrokerError,
@@ -24,7 +26,11 @@ from app.errors import (
     on_unexpected_error,
 )
 from app.integration_api import services
-from app.integration_api.routes import InvalidServiceCredentials, credential, problem_response
+from app.integration_api.routes import (
+    InvalidServiceCredentials,
+    credential_for,
+    problem_response,
+)
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"
@@ -62,19 +68,28 @@ def user_query(scope: Scope) -> tuple[str, str] | None:
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive)
     runtime: Runtime = request.app.state.runtime
-    user: tuple[str, str] = scope[USER_KEY]
+    issuer, subject = scope[USER_KEY]
     provider = scope["path"].removeprefix(PREFIX)
     try:
         scheme, secret = get_authorization_scheme_param(request.headers.get("authorization"))
-        service = (
-            await services.authenticate(runtime.direct, keys=runtime.signing_keys, secret=secret)
+        found = (
+            await services.authenticate_with_own_connection(
+                runtime.direct,
+                keys=runtime.signing_keys,
+                secret=secret,
+                principal=Principal(issuer, subject),
+                provider=provider,
+            )
             if scheme.lower() == "bearer" and secret
             else None
         )
-        if service is None:
+        if found is None:
             raise InvalidServiceCredentials()
-        found = await credential(provider, runtime, service, *user)
-        response = Response(found.model_dump_json(exclude_none=True), media_type="application/json")
+        service, own = found
+        view = await credential_for(
+            runtime, service, provider, issuer, subject, known={service.name: own}
+        )
+        response = Response(view.model_dump_json(exclude_none=True), media_type="application/json")
     except BrokerError as exc:
         response = problem_response(request, exc)
     except DATABASE_ERRORS as exc:

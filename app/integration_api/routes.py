@@ -12,7 +12,7 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -26,6 +26,7 @@ from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
 from app.deps import RuntimeDep, SessionDep
+from app.direct import ConnectionRecord
 from app.errors import BrokerError, render_error
 from app.integration_api import services
 from app.integration_api.broker import (
@@ -246,8 +247,24 @@ async def credential(
     subject: UserSubject,
 ) -> CredentialView:
     """A usable credential (OAuth access tokens are refreshed first when they expire soon)."""
+    return await credential_for(runtime, service, provider, issuer, subject)
+
+
+async def credential_for(
+    runtime: Runtime,
+    service: Service,
+    provider: str,
+    issuer: str,
+    subject: str,
+    *,
+    known: Mapping[str, ConnectionRecord | None] | None = None,
+) -> CredentialView:
+    """The credential route's answer, also given by its fast path (credential_fetch.py), which
+    passes the service's own connection row, read with the service (`known`, by audience)."""
     _provider(runtime, service, provider)
-    found = await usable_for(runtime, service, provider, _principal(runtime, issuer, subject))
+    found = await usable_for(
+        runtime, service, provider, _principal(runtime, issuer, subject), known=known
+    )
     if found is None:
         raise NotConnected()
     return found

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import Keyring, hmac_digest
-from app.direct import DirectStore
+from app.direct import ConnectionRecord, DirectStore, ServiceRecord
 from app.models import ServiceClient
 
 SECRET_PREFIX = "cbs_"  # noqa: S105 (a marker that makes leaked secrets greppable)
@@ -51,14 +52,37 @@ async def create(
     return secret
 
 
+def _well_formed(secret: str) -> bool:
+    return secret.startswith(SECRET_PREFIX) and len(secret) <= 128
+
+
+def _service(row: ServiceRecord) -> Service:
+    return Service(name=row.name, providers=frozenset(row.providers.split()))
+
+
 async def authenticate(store: DirectStore, *, keys: Keyring, secret: str) -> Service | None:
     """The live service holding `secret`, or None."""
-    if not secret.startswith(SECRET_PREFIX) or len(secret) > 128:
+    if not _well_formed(secret):
         return None
     row = await store.find_service(_digests(keys, secret))
-    if row is None:
+    return _service(row) if row is not None else None
+
+
+async def authenticate_with_own_connection(
+    store: DirectStore, *, keys: Keyring, secret: str, principal: Principal, provider: str
+) -> tuple[Service, ConnectionRecord | None] | None:
+    """`authenticate`, and the connection the service made for the user and provider, if any,
+    read in the same statement (the credential fetch's one round trip). Only read: whether the
+    service may use the provider, and for which user, is still the caller's to check."""
+    if not _well_formed(secret):
         return None
-    return Service(name=row.name, providers=frozenset(row.providers.split()))
+    found = await store.find_service_and_own_connection(
+        _digests(keys, secret), principal.issuer, principal.subject, provider
+    )
+    if found is None:
+        return None
+    row, connection = found
+    return _service(row), connection
 
 
 async def list_all(session: AsyncSession) -> list[ServiceClient]:
