@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import secrets
 import sys
@@ -18,8 +17,7 @@ from app.config import (
     require_serve_ready,
 )
 from app.crypto import generate_key
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+from app.logsetup import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +85,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -99,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not is_current(settings.database.url):
         raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
-    _configure_logging()
+    configure_logging()
     if args.config:
         os.environ["BROKER_CONFIG"] = args.config
     uvicorn.run(
@@ -247,7 +241,7 @@ def _dev(args: argparse.Namespace) -> int:
     settings = devmode.dev_settings(state)
     upgrade(settings.database.url)
     idp = devmode.dev_idp(settings, state)
-    _configure_logging()
+    configure_logging()
     token = idp.mint("alice")
     print(devmode.dev_banner(settings, token), flush=True)
     app = create_app(settings, dev_idp=idp)
