@@ -1,0 +1,72 @@
+"""Process logging (app/logsetup.py): every line arrives, in order, with one flush per loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import threading
+
+from app.logsetup import LOG_FORMAT, TurnFlushedHandler
+
+
+class CountingStream(io.StringIO):
+    """Holds what was written; `flushed` is what had been flushed, at each flush."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: list[str] = []
+
+    def flush(self) -> None:
+        self.flushed.append(self.getvalue())
+
+
+def make_logger(name: str) -> tuple[logging.Logger, CountingStream]:
+    stream = CountingStream()
+    handler = TurnFlushedHandler(stream)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger = logging.getLogger(f"test.logsetup.{name}")
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger, stream
+
+
+async def test_the_lines_of_one_loop_turn_are_flushed_together_at_its_end() -> None:
+    logger, stream = make_logger("turn")
+
+    for number in range(3):
+        logger.info("line %d", number)
+    assert stream.flushed == []  # nothing yet: the turn is not over
+
+    await asyncio.sleep(0)
+    assert len(stream.flushed) == 1
+    assert [line.rsplit(" ", 1)[1] for line in stream.flushed[0].splitlines()] == ["0", "1", "2"]
+
+    logger.info("next turn")
+    await asyncio.sleep(0)
+    assert len(stream.flushed) == 2
+    assert stream.flushed[1].endswith("INFO test.logsetup.turn next turn\n")
+
+
+async def test_a_warning_is_flushed_at_once_with_the_lines_before_it() -> None:
+    logger, stream = make_logger("warning")
+
+    logger.info("before")
+    logger.warning("trouble")
+
+    assert len(stream.flushed) == 1
+    assert "before" in stream.flushed[0]
+    assert stream.flushed[0].endswith("WARNING test.logsetup.warning trouble\n")
+
+
+def test_outside_an_event_loop_every_line_is_flushed_at_once() -> None:
+    logger, stream = make_logger("no-loop")
+
+    logger.info("from a plain call")
+    worker = threading.Thread(target=logger.info, args=("from a thread",))
+    worker.start()
+    worker.join()
+
+    assert len(stream.flushed) == 2
+    assert stream.flushed[-1].endswith("from a thread\n")
