@@ -30,6 +30,7 @@ from app.direct import (
     StoreUnavailable,
     open_direct_store,
 )
+from app.direct import postgres as postgres_store
 from app.direct import sqlite as sqlite_store
 from app.integration_api import services
 from app.migrate import upgrade
@@ -265,6 +266,27 @@ async def test_a_service_is_read_with_its_own_connection_only(database: Database
     async with database.sessions.begin() as session:
         assert await services.revoke(session, name="svc")
     assert await read(secret, alice) is None
+
+
+async def test_waiting_for_a_busy_postgresql_pool_is_bounded(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if database_kind() != "postgresql":
+        pytest.skip("the connection pool is PostgreSQL's; SQLite has one connection per thread")
+    monkeypatch.setattr(postgres_store, "ACQUIRE_TIMEOUT_SECONDS", 0.2)
+    store = open_direct_store(database.url, pool_size=1)
+    try:
+        assert await store.find_connection(ISSUER, "alice", "demo", "mcp") is None  # idle: taken
+        assert isinstance(store, postgres_store.PostgresStore)
+        holder = asyncio.create_task(store._run(lambda c: c.execute("SELECT pg_sleep(1)")))
+        await asyncio.sleep(0.1)  # the only connection is now busy
+        with pytest.raises(StoreUnavailable):
+            await store.find_connection(ISSUER, "alice", "demo", "mcp")
+        assert not holder.done()  # it gave up while the connection was still busy
+        await holder
+        assert await store.find_connection(ISSUER, "alice", "demo", "mcp") is None
+    finally:
+        await store.close()
 
 
 async def test_an_unreachable_database_is_store_unavailable(tmp_path: Path) -> None:
