@@ -91,5 +91,7 @@ class AccessLog:
 
 def _safe_path(path: str) -> str:
     """Flow ids in paths are not secret, but keep log lines short and free of control chars."""
+    if path.isprintable():
+        return path[:200]
     cleaned = "".join(ch if ch.isprintable() else "?" for ch in path)
     return cleaned[:200]

@@ -11,7 +11,7 @@ service and its own connection for the user in one statement.
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl
+from urllib.parse import unquote_plus
 
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.requests import Request
@@ -47,22 +47,28 @@ def user_query(scope: Scope) -> tuple[str, str] | None:
     provider = scope["path"].removeprefix(PREFIX)
     if not provider or "/" in provider or provider == scope["path"]:
         return None
-    try:
-        pairs = parse_qsl(
-            scope["query_string"].decode("latin-1"),
-            keep_blank_values=True,
-            strict_parsing=True,
-            max_num_fields=2,
-        )
-    except ValueError:
-        return None
-    values = dict(pairs)
-    if len(pairs) != 2 or values.keys() != {"issuer", "subject"}:
+    values = _two_fields(scope["query_string"].decode("latin-1"))
+    if values is None or values.keys() != {"issuer", "subject"}:
         return None
     issuer, subject = values["issuer"], values["subject"]
     if not (0 < len(issuer) <= MAX_QUERY_VALUE and 0 < len(subject) <= MAX_QUERY_VALUE):
         return None
     return issuer, subject
+
+
+def _two_fields(query: str) -> dict[str, str] | None:
+    """`a=1&b=2` decoded as Starlette decodes a query (`parse_qsl`: UTF-8, `+` is a space), or
+    None for anything but two `name=value` fields."""
+    first, separator, second = query.partition("&")
+    if not separator or "&" in second:
+        return None
+    values: dict[str, str] = {}
+    for field in (first, second):
+        name, equals, value = field.partition("=")
+        if not equals:
+            return None
+        values[unquote_plus(name)] = unquote_plus(value)
+    return values
 
 
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:

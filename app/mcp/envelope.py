@@ -70,6 +70,10 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# One decoder for all requests: `json.loads` with hooks builds a decoder and scanner per call.
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+
+
 def parse_body(body: bytes) -> Message:
     """Parse one JSON-RPC message (not yet checked against headers).
 
@@ -77,9 +81,7 @@ def parse_body(body: bytes) -> Message:
         JsonRpcError: -32700 for bad JSON, -32600 for anything but a single valid request.
     """
     try:
-        document = json.loads(
-            body.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
-        )
+        document = _DECODER.decode(body.decode("utf-8"))
     except _DuplicateKey:
         raise _invalid("Duplicate keys in a JSON object are not accepted") from None
     except (UnicodeDecodeError, ValueError, RecursionError):

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from starlette.datastructures import QueryParams
 
 from app.integration_api.credential_fetch import user_query
 
@@ -62,6 +63,22 @@ def test_only_well_formed_fetches_take_the_fast_path(
     path: str, query: bytes, method: str, expected: bool
 ) -> None:
     assert (user_query(scope(path, query, method)) is not None) is expected
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        b"issuer=https%3A%2F%2Fidp.example%2F&subject=al+ice",
+        b"issuer=%E2%9C%93&subject=%zz%2",  # UTF-8, and percent signs that escape nothing
+        b"issuer=i&subject=%ff%fe",  # not UTF-8: replacement characters, as Starlette decodes
+        b"issuer=a%26b&subject=c%3Dd",  # an escaped & and = inside values
+        b"subject=%20x%20&issuer=i",
+    ],
+)
+def test_the_fast_path_reads_the_query_as_starlette_does(query: bytes) -> None:
+    found = user_query(scope("/api/v1/credentials/demo", query))
+    expected = QueryParams(query.decode("latin-1"))
+    assert found == (expected["issuer"], expected["subject"])
 
 
 async def both_ways(
