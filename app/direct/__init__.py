@@ -9,6 +9,8 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
     insert_flow      a new connect flow, unless the user already has too many open ones
     get_flow         a flow by id (MCP retries and the bounded wait)
     find_service     a live sibling service by the digest of its secret
+    find_service_and_own_connection
+                     both at once, for the integration API's credential fetch
 
 Everything else (pages, transitions, refresh under a row lock, the CLI) stays on SQLAlchemy. Both
 work on the same tables built by the Alembic migrations.
