@@ -26,11 +26,8 @@ from app.errors import (
     on_unexpected_error,
 )
 from app.integration_api import services
-from app.integration_api.routes import (
-    InvalidServiceCredentials,
-    credential_for,
-    problem_response,
-)
+from app.integration_api.problems import InvalidServiceCredentials, problem_response
+from app.integration_api.routes import credential_for
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"

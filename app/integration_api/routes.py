@@ -12,22 +12,17 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
-from starlette.responses import JSONResponse, Response
 
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
 from app.deps import RuntimeDep, SessionDep
 from app.direct import ConnectionRecord
-from app.errors import BrokerError, render_error
 from app.integration_api import services
 from app.integration_api.broker import (
     ConnectionItem,
@@ -42,124 +37,23 @@ from app.integration_api.broker import (
     resume_connection,
     usable_for,
 )
+from app.integration_api.problems import (
+    InvalidServiceCredentials,
+    NotConnected,
+    ProblemRoute,
+    ProviderNotAllowed,
+    UnknownIssuer,
+    UnknownProvider,
+    problem_responses,
+)
 from app.integration_api.services import Service
 from app.runtime import Runtime
-
-
-class InvalidServiceCredentials(BrokerError):
-    status_code = 401
-    code = "invalid_service_credentials"
-    title = "Unknown or revoked service secret"
-    message = "Send Authorization: Bearer <service secret> of a registered, unrevoked service."
-
-
-class ProviderNotAllowed(BrokerError):
-    status_code = 403
-    code = "provider_not_allowed"
-    title = "Provider not allowed for this service"
-    message = "This service is not registered for that provider."
-
-
-class UnknownProvider(BrokerError):
-    status_code = 404
-    code = "unknown_provider"
-    title = "Unknown provider"
-    message = "No provider with that name is configured."
-
-
-class NotConnected(BrokerError):
-    status_code = 404
-    code = "not_connected"
-    title = "Not connected"
-    message = "The user has no usable connection to this provider visible to this service."
-
-
-class UnknownIssuer(BrokerError):
-    status_code = 400
-    code = "unknown_issuer"
-    title = "Unknown issuer"
-    message = "The user's issuer must be the identity provider this broker trusts."
-
-
-class InvalidRequest(BrokerError):
-    status_code = 422
-    code = "invalid_request"
-    title = "Invalid request"
-    message = "The request body or query does not match the documented schema; see `errors`."
-
-
-class Problem(BaseModel):
-    """RFC 9457 problem details; `type` is stable per error."""
-
-    type: str = Field(examples=["urn:connect-broker:error:not_connected"])
-    title: str
-    status: int
-    detail: str
-    errors: list[dict[str, Any]] | None = Field(
-        default=None, description="422 only: where the request is wrong (`loc`, `msg`, `type`)"
-    )
-
-
-def _problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for the problem responses a route can give."""
-    content = {"application/problem+json": {"schema": Problem.model_json_schema()}}
-    return {status: {"description": "problem details", "content": content} for status in statuses}
-
-
-def _invalid_request(exc: RequestValidationError) -> Response:
-    """422 as problem JSON. Only where and what: pydantic's `input` and `ctx` echo the caller's
-    values back (a secret sent in the wrong field would land in the response and in logs)."""
-    problem = Problem(
-        type=f"urn:connect-broker:error:{InvalidRequest.code}",
-        title=InvalidRequest.title,
-        status=InvalidRequest.status_code,
-        detail=InvalidRequest.message,
-        errors=[
-            {"loc": list(error.get("loc", ())), "msg": error.get("msg"), "type": error.get("type")}
-            for error in exc.errors()
-        ],
-    )
-    return JSONResponse(
-        problem.model_dump(),
-        status_code=InvalidRequest.status_code,
-        media_type="application/problem+json",
-    )
-
-
-def problem_response(request: Request, exc: BrokerError) -> Response:
-    """A failure as problem JSON; a 401 also names the scheme (`WWW-Authenticate`)."""
-    response = render_error(request, exc)
-    if isinstance(exc, InvalidServiceCredentials):
-        response.headers["WWW-Authenticate"] = 'Bearer realm="connect-broker"'
-    return response
-
-
-class ProblemRoute(APIRoute):
-    """Renders this router's own failures that the app-wide handlers render differently.
-
-    A request that fails validation becomes problem JSON (the app's default handler answers plain
-    JSON, and only /api/v1 promises problem JSON everywhere); a 401 carries `WWW-Authenticate`.
-    """
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handle = super().get_route_handler()
-
-        async def handle_with_problems(request: Request) -> Response:
-            try:
-                return await handle(request)
-            except RequestValidationError as exc:
-                return _invalid_request(exc)
-            except InvalidServiceCredentials as exc:
-                return problem_response(request, exc)
-
-        return handle_with_problems
-
 
 router = APIRouter(
     prefix="/api/v1",
     tags=["integration"],
     route_class=ProblemRoute,
-    responses=_problems(401, 422),
+    responses=problem_responses(401, 422),
 )
 service_secret = HTTPBearer(
     auto_error=False,
@@ -207,7 +101,7 @@ def _principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
     "/connections/{provider}/require",
     response_model=ConnectOutcome,
     response_model_exclude_none=True,
-    responses=_problems(400, 403, 404),
+    responses=problem_responses(400, 403, 404),
 )
 async def require(
     provider: str, body: RequireRequest, runtime: RuntimeDep, service: CallingService
@@ -222,7 +116,7 @@ async def require(
     "/connections/{provider}/resume",
     response_model=ConnectOutcome,
     response_model_exclude_none=True,
-    responses=_problems(400, 403, 404),
+    responses=problem_responses(400, 403, 404),
 )
 async def resume(
     provider: str, body: ResumeRequest, runtime: RuntimeDep, service: CallingService
@@ -237,7 +131,7 @@ async def resume(
     "/credentials/{provider}",
     response_model=CredentialView,
     response_model_exclude_none=True,
-    responses=_problems(400, 403, 404),
+    responses=problem_responses(400, 403, 404),
 )
 async def credential(
     provider: str,
@@ -270,7 +164,7 @@ async def credential_for(
     return found
 
 
-@router.get("/connections", responses=_problems(400))
+@router.get("/connections", responses=problem_responses(400))
 async def list_connections(
     runtime: RuntimeDep,
     session: SessionDep,
@@ -296,7 +190,7 @@ async def list_connections(
     return ConnectionList(connections=items)
 
 
-@router.delete("/connections/{provider}", responses=_problems(400, 403, 404))
+@router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404))
 async def delete_connection(
     provider: str,
     runtime: RuntimeDep,
