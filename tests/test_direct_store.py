@@ -268,13 +268,20 @@ async def test_a_service_is_read_with_its_own_connection_only(database: Database
     assert await read(secret, alice) is None
 
 
+@pytest.fixture
+async def postgresql_url(tmp_path: Path) -> AsyncIterator[str]:
+    """A migrated PostgreSQL database, whichever kind the suite runs on (the pool is its own)."""
+    url = await asyncio.to_thread(fresh_database, tmp_path, "pool", kind="postgresql")
+    await asyncio.to_thread(upgrade, url)
+    yield url
+    await asyncio.to_thread(drop_database, url)
+
+
 async def test_waiting_for_a_busy_postgresql_pool_is_bounded(
-    database: Database, monkeypatch: pytest.MonkeyPatch
+    postgresql_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if database_kind() != "postgresql":
-        pytest.skip("the connection pool is PostgreSQL's; SQLite has one connection per thread")
     monkeypatch.setattr(postgres_store, "ACQUIRE_TIMEOUT_SECONDS", 0.2)
-    store = open_direct_store(database.url, pool_size=1)
+    store = open_direct_store(postgresql_url, pool_size=1)
     try:
         assert await store.find_connection(ISSUER, "alice", "demo", "mcp") is None  # idle: taken
         assert isinstance(store, postgres_store.PostgresStore)

@@ -50,10 +50,10 @@ def database_kind() -> str:
     return kind
 
 
-def fresh_database(workdir: Path, name: str) -> str:
-    """A new, empty database URL of the configured kind."""
+def fresh_database(workdir: Path, name: str, *, kind: str | None = None) -> str:
+    """A new, empty database URL of `kind` (default: the configured kind)."""
     unique = f"{name}_{os.getpid()}_{secrets.token_hex(3)}"
-    if database_kind() == "sqlite":
+    if (kind or database_kind()) == "sqlite":
         return f"sqlite:///{workdir / (unique + '.db')}"
     db_name = f"broker_test_{unique}"
 
