@@ -59,9 +59,14 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
 
 
 def buffered_stderr() -> TextIO:
-    """stderr's descriptor behind a block buffer (Python line-buffers `sys.stderr` itself)."""
+    """stderr's descriptor behind a block buffer (Python line-buffers `sys.stderr` itself), or
+    `sys.stderr` as it is when it has no descriptor (replaced by an embedding program)."""
+    try:
+        descriptor = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+        return sys.stderr
     return io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(os.dup(sys.stderr.fileno()), "w"), BUFFER_BYTES),
+        io.BufferedWriter(io.FileIO(descriptor, "w"), BUFFER_BYTES),
         encoding="utf-8",
         errors="backslashreplace",
     )

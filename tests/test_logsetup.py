@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import sys
 import threading
+from pathlib import Path
 
-from app.logsetup import LOG_FORMAT, TurnFlushedHandler
+import pytest
+
+from app.logsetup import LOG_FORMAT, TurnFlushedHandler, buffered_stderr
 
 
 class CountingStream(io.StringIO):
@@ -70,3 +74,23 @@ def test_outside_an_event_loop_every_line_is_flushed_at_once() -> None:
 
     assert len(stream.flushed) == 2
     assert stream.flushed[-1].endswith("from a thread\n")
+
+
+def test_stderr_without_a_descriptor_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    replaced = io.StringIO()  # what an embedding program may put in sys.stderr's place
+    monkeypatch.setattr(sys, "stderr", replaced)
+    assert buffered_stderr() is replaced
+
+
+def test_stderr_with_a_descriptor_gets_a_buffer_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (tmp_path / "stderr.txt").open("w") as file:
+        monkeypatch.setattr(sys, "stderr", file)
+        stream = buffered_stderr()
+        assert stream is not file
+        stream.write("one line\n")
+        assert (tmp_path / "stderr.txt").read_text() == ""  # buffered, not yet written
+        stream.flush()
+        assert (tmp_path / "stderr.txt").read_text() == "one line\n"
+        stream.close()
