@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,16 +20,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from app.config_sources import SECTIONS, read_raw
+from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
+from app.config_sources import config_path as config_path
 from app.providers.presets import apply_preset
 from app.providers.settings import ProviderSettings, provider_settings_adapter
 
-SECTIONS = ("server", "database", "identity", "keys")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-class ConfigError(Exception):
-    """The configuration is unusable; the message names the key and says why."""
 
 
 class _Section(BaseModel):
@@ -164,16 +160,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def config_path(explicit: str | None) -> Path | None:
-    """The file to read: the explicit path, else BROKER_CONFIG, else ./broker.toml if present."""
-    if explicit:
-        return Path(explicit)
-    if env := os.environ.get("BROKER_CONFIG"):
-        return Path(env)
-    default = Path("broker.toml")
-    return default if default.exists() else None
-
-
 def load_settings(
     path: Path | None = None,
     *,
@@ -185,85 +171,8 @@ def load_settings(
     Raises:
         ConfigError: naming the bad key.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    _apply_environment(raw, os.environ if environ is None else environ)
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
-    _resolve_files(raw)
+    raw = read_raw(path, os.environ if environ is None else environ, overrides or {})
     return _validate(raw, source=str(path) if path else "defaults")
-
-
-def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
-    named = {
-        table: {name.upper(): name for name in raw.get(table, {})}
-        for table in ("providers", "services")
-    }
-    for variable, value in environ.items():
-        if not variable.startswith("BROKER_") or variable == "BROKER_CONFIG":
-            continue
-        rest = variable.removeprefix("BROKER_")
-        section, _, key = rest.partition("_")
-        section = section.lower()
-        if section in named:
-            _set_named(raw, variable, section, named[section], key, value)
-        elif section in SECTIONS and key:
-            _set_dotted(raw, f"{section}.{key.lower()}", _env_value(value))
-        # other BROKER_* variables belong to no section and are not ours to judge
-
-
-def _set_named(
-    raw: dict[str, Any], variable: str, section: str, names: dict[str, str], key: str, value: str
-) -> None:
-    """`BROKER_PROVIDERS_<NAME>_<KEY>`: the longest table name that prefixes the rest wins."""
-    match = next(
-        (upper for upper in sorted(names, key=len, reverse=True) if key.startswith(upper + "_")),
-        None,
-    )
-    if match is None:
-        raise ConfigError(f"{variable}: no [{section}.<name>] table in the config file")
-    _set_dotted(raw, f"{section}.{names[match]}.{key[len(match) + 1 :].lower()}", _env_value(value))
-
-
-def _env_value(value: str) -> Any:
-    """Environment values are strings; a JSON list or a comma list becomes a list."""
-    stripped = value.strip()
-    if stripped.startswith("["):
-        try:
-            return json.loads(stripped)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = raw
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {part} is not a table")
-        node = child
-    node[leaf] = value
-
-
-def _resolve_files(raw: dict[str, Any], prefix: str = "") -> None:
-    for key in [k for k in raw if isinstance(k, str)]:
-        value = raw[key]
-        if isinstance(value, dict):
-            _resolve_files(value, f"{prefix}{key}.")
-        elif key.endswith("_file") and isinstance(value, str):
-            try:
-                raw[key.removesuffix("_file")] = Path(value).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ConfigError(f"{prefix}{key}: cannot read {value}: {exc.strerror}") from None
-            del raw[key]
 
 
 LIST_KEYS = {
