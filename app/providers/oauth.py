@@ -1,11 +1,10 @@
 """Talking to third-party OAuth 2.0 / OpenID providers: authorize URL, code exchange, refresh,
 account label, revocation.
 
-Every call has a total deadline (httpx timeouts are per operation, SECURITY.md §5.7), follows no
-redirect (F8), reads at most 64 KiB (F7), sends `Accept: application/json` (GitHub answers
-form-encoded otherwise) and treats any body carrying `error` as a failure whatever the status
-(GitHub reports errors in a 200, F5). A code exchange is never retried: the code may be spent.
-Bodies are never logged, only their content type and length.
+Every call keeps the rules of app/providers/upstream.py (a total deadline, no redirect, at most
+64 KiB read, bodies never logged), sends `Accept: application/json` (GitHub answers form-encoded
+otherwise) and treats any body carrying `error` as a failure whatever the status (GitHub reports
+errors in a 200, F5). A code exchange is never retried: the code may be spent.
 """
 
 from __future__ import annotations
@@ -13,31 +12,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import urlencode
 
 import httpx2
 
 from app.crypto import b64encode
 from app.providers.settings import OAuthProviderSettings
+from app.providers.upstream import UpstreamError as UpstreamError  # callers catch it as oauth.*
+from app.providers.upstream import get_api_json as get_api_json
+from app.providers.upstream import get_json, parse_body, send_capped
 
 logger = logging.getLogger("broker.providers")
 
-MAX_RESPONSE_BYTES = 64 * 1024
 INVALID_GRANT_ERRORS = {"invalid_grant", "bad_refresh_token", "bad_verification_code"}
-
-
-class UpstreamError(Exception):
-    """The provider failed or answered something unusable. `reason` is safe to log and show."""
-
-    def __init__(self, reason: str, *, timed_out: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.timed_out = timed_out
 
 
 class InvalidGrant(UpstreamError):
@@ -144,7 +135,7 @@ async def account_label(
     document: Any = tokens.extra
     if provider.userinfo_url:
         try:
-            document = await _get_json(provider, http, provider.userinfo_url, tokens.access_token)
+            document = await get_json(provider, http, provider.userinfo_url, tokens.access_token)
         except UpstreamError as exc:
             logger.warning(
                 "oauth.account_label_failed provider=%s reason=%s",
@@ -225,9 +216,9 @@ async def _token_request(
         headers={"Accept": "application/json"},
     )
     request.headers.update(_basic_header(provider))
-    status, content_type, raw = await _send_capped(provider, http, request)
+    status, content_type, raw = await send_capped(provider, http, request)
     try:
-        body = _parse(content_type, raw)
+        body = parse_body(content_type, raw)
     except UpstreamError:
         if not 200 <= status < 300:  # an error page: the status is the useful reason (F1)
             raise UpstreamError(f"token_status_{status}") from None
@@ -239,50 +230,6 @@ async def _token_request(
     if not 200 <= status < 300:
         raise UpstreamError(f"token_status_{status}")
     return body
-
-
-async def _send_capped(
-    provider: OAuthProviderSettings, http: httpx2.AsyncClient, request: httpx2.Request
-) -> tuple[int, str, bytes]:
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(provider.timeout_seconds):
-            response = await http.send(request, stream=True, follow_redirects=False)
-            try:
-                async for chunk in response.aiter_raw():
-                    size += len(chunk)
-                    if size > MAX_RESPONSE_BYTES:
-                        raise UpstreamError("response_too_large")
-                    chunks.append(chunk)
-            finally:
-                await response.aclose()
-    except TimeoutError:
-        raise UpstreamError("timeout", timed_out=True) from None
-    except httpx2.HTTPError as exc:
-        raise UpstreamError(f"network:{type(exc).__name__}") from None
-    content_type = response.headers.get("content-type", "")
-    logger.info(
-        "oauth.response status=%d type=%s bytes=%d",
-        response.status_code,
-        content_type.split(";")[0][:40],
-        size,
-    )
-    if 300 <= response.status_code < 400:
-        raise UpstreamError(f"redirect_{response.status_code}")
-    return response.status_code, content_type, b"".join(chunks)
-
-
-def _parse(content_type: str, raw: bytes) -> dict[str, Any]:
-    try:
-        if "application/x-www-form-urlencoded" in content_type:
-            return dict(parse_qsl(raw.decode("utf-8"), strict_parsing=True))
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise UpstreamError("malformed_response") from None
-    if not isinstance(document, dict):
-        raise UpstreamError("malformed_response")
-    return document
 
 
 def _token_set(
@@ -317,29 +264,3 @@ def _token_set(
         extra=extra,
         id_token=body["id_token"] if isinstance(body.get("id_token"), str) else None,
     )
-
-
-async def _get_json(
-    provider: OAuthProviderSettings, http: httpx2.AsyncClient, url: str, access_token: str
-) -> dict[str, Any]:
-    request = http.build_request(
-        "GET",
-        url,
-        headers={"Authorization": f"Bearer {access_token}", "Accept": "application/json"},
-    )
-    status, content_type, raw = await _send_capped(provider, http, request)
-    if not 200 <= status < 300:
-        raise UpstreamError(f"status_{status}")
-    return _parse(content_type, raw)
-
-
-async def get_api_json(
-    provider: OAuthProviderSettings, http: httpx2.AsyncClient, path: str, access_token: str
-) -> dict[str, Any]:
-    """GET `<api_base_url><path>` with the user's token (for provider-backed tools).
-
-    Raises:
-        UpstreamError: the call failed.
-    """
-    base = (provider.api_base_url or "").rstrip("/")
-    return await _get_json(provider, http, f"{base}{path}", access_token)
