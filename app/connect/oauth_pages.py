@@ -11,7 +11,7 @@ from starlette.responses import RedirectResponse, Response
 from app.auth.jwks import JwksUnavailable
 from app.connect import oauth_service
 from app.connect.oauth_service import CallbackRefused
-from app.connect.pages import flow_for_user, signed_in_post
+from app.connect.page_access import flow_for_user, signed_in_post
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
 from app.errors import BrokerError, NotFound

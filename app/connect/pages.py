@@ -8,23 +8,25 @@ moves a flow; POSTs need the session's CSRF token and a same-origin request, and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from fastapi import APIRouter, Request
-from sqlalchemy.ext.asyncio import AsyncSession
-from starlette.exceptions import HTTPException
 from starlette.responses import RedirectResponse, Response
 
 from app import credentials
-from app.auth.browser import BrowserUser, same_origin_post
+from app.auth.browser import BrowserUser
 from app.connect import disconnect as disconnection
 from app.connect import service as flows
+from app.connect.page_access import (
+    FLOW_ID,
+    flow_for_user,
+    signed_in_post,
+)
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
-from app.errors import BrokerError, CsrfFailed, Forbidden, NotFound, PayloadTooLarge
+from app.errors import BrokerError, NotFound
 from app.models import OPEN_FLOW_STATUSES, FlowStatus
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import (
@@ -37,26 +39,7 @@ from app.templating import render
 
 router = APIRouter(include_in_schema=False)
 
-FLOW_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # fullmatch: `$` allows a trailing newline
-MAX_FORM_BYTES = 16 * 1024
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
-
-
-class WrongAccount(Forbidden):
-    code = "wrong_user"
-    title = "This link belongs to a different account"
-    message = (
-        "This connect link was started by a different account than the one you are signed in "
-        "with. Nothing was changed."
-    )
-    next_step = "Sign out and sign in with the account you use in your MCP client."
-
-
-class SignInRequired(Forbidden):
-    code = "sign_in_required"
-    title = "Please sign in"
-    message = "You need to be signed in to do this."
-    next_step = "Open the link from your MCP client again."
 
 
 class UnexpectedFields(BrokerError):
@@ -68,53 +51,6 @@ class UnexpectedFields(BrokerError):
 
 def _login_redirect(path: str) -> Response:
     return RedirectResponse(f"/login?next={quote(path, safe='/')}", status_code=303)
-
-
-async def flow_for_user(
-    runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
-) -> FlowView:
-    if not FLOW_ID.fullmatch(flow_id):
-        raise NotFound()
-    flow = await flows.get(session, flow_id=flow_id)
-    if flow is None:
-        raise NotFound()
-    if flow.principal != user.principal:
-        runtime.audit("connect.identity_mismatch", flow_id=flow.id)
-        raise WrongAccount(
-            page={"show_logout": True, "csrf_token": runtime.browser_sessions.csrf_token(user)}
-        )
-    return flow
-
-
-async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> dict[str, str]:
-    if not same_origin_post(request, runtime.settings.public_origin):
-        raise CsrfFailed()
-    declared = request.headers.get("content-length", "0")
-    if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
-        raise PayloadTooLarge()
-    try:  # a chunked body has no Content-Length: Starlette's own limits stop it (as a 400)
-        form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_FORM_BYTES)
-    except HTTPException:
-        raise PayloadTooLarge() from None
-    values = {key: str(value) for key, value in form.items()}
-    if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
-        raise CsrfFailed()
-    return values
-
-
-async def signed_in_post(
-    request: Request, runtime: Runtime, session: AsyncSession
-) -> tuple[BrowserUser, dict[str, str]]:
-    """The signed-in user and the form of a same-origin POST carrying their CSRF token.
-
-    Raises:
-        SignInRequired: no live browser session.
-        CsrfFailed: cross-site, or a missing or foreign CSRF token.
-    """
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    return user, await posted_form(request, runtime, user)
 
 
 @router.get("/connect/{flow_id}", name="connect:page")
