@@ -41,6 +41,7 @@ class ConnectionInfo:
     """What may be shown about a connection: never the secret."""
 
     provider: str
+    audience: str  # who made it: "mcp" (the broker's own tools) or a sibling service's name
     account_label: str | None
     status: str
     scopes: frozenset[str]
@@ -186,22 +187,21 @@ def replace_tokens(
 
 
 async def list_for(
-    session: AsyncSession, *, principal: Principal, audience: str
+    session: AsyncSession, *, principal: Principal, audience: str | None
 ) -> list[ConnectionInfo]:
+    """The principal's connections made through `audience`, or through any (None)."""
+    statement = select(Connection).where(
+        Connection.issuer == principal.issuer, Connection.subject == principal.subject
+    )
+    if audience is not None:
+        statement = statement.where(Connection.audience == audience)
     rows = (
-        await session.execute(
-            select(Connection)
-            .where(
-                Connection.issuer == principal.issuer,
-                Connection.subject == principal.subject,
-                Connection.audience == audience,
-            )
-            .order_by(Connection.provider)
-        )
+        await session.execute(statement.order_by(Connection.provider, Connection.audience))
     ).scalars()
     return [
         ConnectionInfo(
             provider=row.provider,
+            audience=row.audience,
             account_label=row.account_label,
             status=row.status,
             scopes=frozenset(row.scopes.split()),

@@ -40,6 +40,7 @@ from app.templating import render
 router = APIRouter(include_in_schema=False)
 
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
+BROKER_AUDIENCE = "mcp"  # connections made through the broker's own MCP endpoint
 
 
 class UnexpectedFields(BrokerError):
@@ -186,7 +187,7 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
     user = await runtime.browser_sessions.current(session, request)
     if user is None:
         return _login_redirect("/connections")
-    rows = await credentials.list_for(session, principal=user.principal, audience="mcp")
+    rows = await credentials.list_for(session, principal=user.principal, audience=None)
     providers = runtime.settings.providers
     return render(
         request,
@@ -199,6 +200,8 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
                 "provider_name": p.display_name
                 if (p := providers.get(row.provider))
                 else row.provider,
+                "audience": row.audience,
+                "used_by": _used_by(runtime, row.audience),
                 "account": row.account_label,
                 "status": row.status,
                 "connected_at": row.connected_at.strftime("%Y-%m-%d %H:%M UTC"),
@@ -212,11 +215,12 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
 async def disconnect(
     request: Request, provider: str, runtime: RuntimeDep, session: SessionDep
 ) -> Response:
-    user, _ = await signed_in_post(request, runtime, session)
+    user, form = await signed_in_post(request, runtime, session)
     if provider not in runtime.settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
+    audience = form.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
     outcome = await disconnection.disconnect(
-        session, runtime, principal=user.principal, provider=provider, audience="mcp"
+        session, runtime, principal=user.principal, provider=provider, audience=audience
     )
     if outcome.upstream_failed:
         return render(
@@ -228,6 +232,14 @@ async def disconnect(
             next_step="Revoke the app's access in the provider's settings.",
         )
     return RedirectResponse("/connections", status_code=303)
+
+
+def _used_by(runtime: Runtime, audience: str) -> str:
+    """Who made a connection, as the user knows it: the broker's tools, or a sibling server."""
+    if audience == BROKER_AUDIENCE:
+        return "Connect Broker tools"
+    service = runtime.settings.services.get(audience)
+    return service.display_name if service and service.display_name else audience
 
 
 def _display_name(providers: Mapping[str, ProviderSettings], name: str) -> str:

@@ -13,8 +13,11 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import credentials
+from app.auth.principal import Principal
 from app.clock import utcnow
-from app.db import create_engine
+from app.crypto import Keyring
+from app.db import create_engine, create_sessionmaker
 from app.models import Flow, LoginSession
 
 from ..conftest import DEMO_PROVIDER
@@ -597,6 +600,47 @@ async def test_disconnect_button_removes_the_connection(
     assert response.headers["location"] == "/connections"
     assert await connections_of(db, user) == []
     assert "No accounts are connected yet" in page.text
+
+
+async def test_connections_made_by_sibling_servers_are_listed_and_removed_one_by_one(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    db: AsyncEngine,
+    broker_config: BrokerConfig,
+) -> None:
+    """DESIGN §4: the user sees every connection of theirs, whichever server made it, and
+    disconnecting one made by a sibling leaves the broker's own connection to the same provider."""
+    user = unique("alice-sib")
+    flow_id = await open_flow(mcp, token_for(user))
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    await submit_key(browser, flow_id, KEY)
+    issuer = (await connections_of(db, user))[0]["issuer"]
+    async with create_sessionmaker(db).begin() as session:
+        await credentials.store(
+            session,
+            keys=Keyring.parse(tuple(broker_config.encryption)),
+            principal=Principal(issuer, user),
+            provider="demo",
+            audience="notes-svc",
+            secret={"api_key": "sk_sibling_key_1"},
+            scopes=frozenset(),
+            account_label=None,
+            expires_at=None,
+        )
+
+    page = await browser.get("/connections")
+    forms = [f for f in html_forms(page.text) if f["action"] == "/connections/demo/disconnect"]
+    csrf = forms[0]["inputs"]["csrf"]["value"]
+    removed = await browser.post(
+        "/connections/demo/disconnect", data={"csrf": csrf, "audience": "notes-svc"}
+    )
+
+    assert "<td>Connect Broker tools</td>" in page.text and "<td>notes-svc</td>" in page.text
+    assert sorted(f["inputs"]["audience"]["value"] for f in forms) == ["mcp", "notes-svc"]
+    assert "sk_sibling_key_1" not in page.text and KEY not in page.text
+    assert removed.status_code == 303
+    assert [row["audience"] for row in await connections_of(db, user)] == ["mcp"]
 
 
 async def test_disconnect_without_the_csrf_token_keeps_the_connection(
