@@ -132,6 +132,11 @@ class Settings:
     def is_https(self) -> bool:
         return self.public_url.startswith("https://")
 
+    def service_display_name(self, name: str) -> str:
+        """How pages name a sibling service: its configured `display_name`, else its name."""
+        service = self.services.get(name)
+        return service.display_name if service and service.display_name else name
+
 
 def validate_public_url(value: str) -> str:
     """Accept only an absolute http(s) origin-plus-path we can safely put in elicitation URLs."""

@@ -238,8 +238,7 @@ def _used_by(runtime: Runtime, audience: str) -> str:
     """Who made a connection, as the user knows it: the broker's tools, or a sibling server."""
     if audience == BROKER_AUDIENCE:
         return "Connect Broker tools"
-    service = runtime.settings.services.get(audience)
-    return service.display_name if service and service.display_name else audience
+    return runtime.settings.service_display_name(audience)
 
 
 def _display_name(providers: Mapping[str, ProviderSettings], name: str) -> str:

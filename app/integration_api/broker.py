@@ -221,8 +221,7 @@ async def require_connection(
             (*getattr(settings, "scopes", ()), *body.scopes, *(found.scopes if found else ()))
         )
     )
-    display = runtime.settings.services.get(service.name) or None
-    name = display.display_name if display and display.display_name else service.name
+    name = runtime.settings.service_display_name(service.name)
     client = f"{name} (via {body.client_name})" if body.client_name else name
     try:
         flow = await flows.create(
