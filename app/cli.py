@@ -178,8 +178,9 @@ def _service_create(args: argparse.Namespace) -> int:
 
     from app.crypto import Keyring
     from app.integration_api import services
+    from app.models import BROKER_AUDIENCE
 
-    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == "mcp":
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == BROKER_AUDIENCE:
         return _service_usage_error(
             "name",
             f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "

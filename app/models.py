@@ -56,6 +56,7 @@ class FlowStatus(StrEnum):
     expired = "expired"
 
 
+BROKER_AUDIENCE = "mcp"  # the audience of what the broker's own MCP endpoint creates
 OPEN_FLOW_STATUSES = (FlowStatus.pending, FlowStatus.authorizing, FlowStatus.exchanging)
 DONE_FLOW_STATUSES = (FlowStatus.completed, FlowStatus.consumed)
 
@@ -74,7 +75,7 @@ class Flow(Base):
     subject: Mapped[str] = mapped_column(String(255))
     client_id: Mapped[str] = mapped_column(String(255))
     client_name: Mapped[str | None] = mapped_column(String(255))
-    audience: Mapped[str] = mapped_column(String(64), default="mcp")
+    audience: Mapped[str] = mapped_column(String(64), default=BROKER_AUDIENCE)
     provider: Mapped[str] = mapped_column(String(64))
     scopes: Mapped[str] = mapped_column(Text, default="")
     tool_name: Mapped[str] = mapped_column(String(128))
@@ -117,7 +118,7 @@ class Connection(Base):
     issuer: Mapped[str] = mapped_column(String(255))
     subject: Mapped[str] = mapped_column(String(255))
     provider: Mapped[str] = mapped_column(String(64))
-    audience: Mapped[str] = mapped_column(String(64), default="mcp")
+    audience: Mapped[str] = mapped_column(String(64), default=BROKER_AUDIENCE)
     status: Mapped[str] = mapped_column(String(16), default=ConnectionStatus.active)
     sealed_credential: Mapped[str] = mapped_column(Text)  # unsealed only in app/credentials.py
     key_id: Mapped[str] = mapped_column(String(32))

@@ -27,7 +27,7 @@ from app.connect.page_access import (
 from app.connect.service import FlowView
 from app.deps import RuntimeDep, SessionDep
 from app.errors import BrokerError, NotFound
-from app.models import OPEN_FLOW_STATUSES, FlowStatus
+from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, FlowStatus
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import (
     ApiKeyProviderSettings,
@@ -40,7 +40,6 @@ from app.templating import render
 router = APIRouter(include_in_schema=False)
 
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
-BROKER_AUDIENCE = "mcp"  # connections made through the broker's own MCP endpoint
 
 
 class UnexpectedFields(BrokerError):

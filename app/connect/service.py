@@ -21,7 +21,7 @@ from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.crypto import random_token
 from app.direct import DirectStore, FlowRecord, NewFlow
-from app.models import DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
+from app.models import BROKER_AUDIENCE, DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
 
 MAX_OPEN_FLOWS_PER_USER = 20
 PURGE_AFTER = timedelta(days=1)
@@ -90,7 +90,7 @@ async def create(
     tool_name: str,
     args_digest: str,
     ttl_seconds: int,
-    audience: str = "mcp",
+    audience: str = BROKER_AUDIENCE,
 ) -> FlowView:
     """Start a flow for the caller (the hot path: one statement, straight through the driver).
 

@@ -15,11 +15,11 @@ from app.mcp.registry import (
     ToolRegistry,
     ToolResult,
 )
+from app.models import BROKER_AUDIENCE
 from app.runtime import Runtime
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
 CONFIRM_KEY = "confirm_disconnect"
-AUDIENCE = "mcp"
 
 
 def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -150,7 +150,7 @@ class BrokerTools:
                     self.runtime,
                     principal=call.caller.principal,
                     provider=provider,
-                    audience=AUDIENCE,
+                    audience=BROKER_AUDIENCE,
                 )
             note = (
                 f" {name} could not confirm revoking its grant; revoke it there too."
@@ -173,7 +173,7 @@ class BrokerTools:
     async def _connections_of(self, call: ToolCall) -> list[credentials.ConnectionInfo]:
         async with self.runtime.sessionmaker() as session:
             return await credentials.list_for(
-                session, principal=call.caller.principal, audience=AUDIENCE
+                session, principal=call.caller.principal, audience=BROKER_AUDIENCE
             )
 
     def _unknown_provider(self, name: object) -> ToolResult:

@@ -28,7 +28,7 @@ from app.mcp.registry import (
     ToolResult,
 )
 from app.mcp.request_state import StatePayload, arguments_digest
-from app.models import FlowStatus
+from app.models import BROKER_AUDIENCE, FlowStatus
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.runtime import Runtime
 
@@ -43,7 +43,9 @@ CAPABILITY_FOR_METHOD = {
 class BrokerConnections:
     """`call.connections` for the broker's own endpoint: credentials of audience "mcp"."""
 
-    def __init__(self, runtime: Runtime, caller: McpCaller, audience: str = "mcp") -> None:
+    def __init__(
+        self, runtime: Runtime, caller: McpCaller, audience: str = BROKER_AUDIENCE
+    ) -> None:
         self._runtime = runtime
         self._caller = caller
         self._audience = audience
