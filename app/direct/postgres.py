@@ -21,6 +21,7 @@ from app.direct.records import (
     StoreUnavailable,
     connection_record,
     flow_record,
+    service_and_connection,
 )
 from app.models import OPEN_FLOW_STATUSES
 
@@ -164,11 +165,7 @@ class PostgresStore:
         row = await self._run(lambda c: c.fetchrow(FIND_SERVICE_AND_OWN_CONNECTION, *values))
         if row is None:
             return None
-        service = ServiceRecord(name=row[0], providers=row[1])
-        if row[2] is None:
-            return service, None
-        key = (issuer, subject, provider, service.name)
-        return service, connection_record(key, row[2:], row[7])
+        return service_and_connection((issuer, subject, provider), row, row[7])
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -67,6 +67,18 @@ def connection_record(
     )
 
 
+def service_and_connection(
+    user: tuple[str, str, str], row: Sequence[Any], expires_at: datetime | None
+) -> tuple[ServiceRecord, ConnectionRecord | None]:
+    """The records from a row of the stores' `FIND_SERVICE_AND_OWN_CONNECTION` for (issuer,
+    subject, provider): the service's name and providers, then `FIND_CONNECTION`'s columns (all
+    NULL when the service made no such connection), with `expires_at` converted."""
+    service = ServiceRecord(name=row[0], providers=row[1])
+    if row[2] is None:
+        return service, None
+    return service, connection_record((*user, service.name), row[2:], expires_at)
+
+
 def flow_record(row: Sequence[Any], expires_at: datetime) -> FlowRecord:
     """The record from a row of the stores' `GET_FLOW` (the fields in order, `expires_at` last),
     with `expires_at` converted."""

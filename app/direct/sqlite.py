@@ -36,6 +36,7 @@ from app.direct.records import (
     StoreUnavailable,
     connection_record,
     flow_record,
+    service_and_connection,
 )
 
 T = TypeVar("T")
@@ -260,12 +261,8 @@ class SqliteStore:
         row = await self._run(lambda c: c.execute(statement, values).fetchone())
         if row is None:
             return None
-        service = ServiceRecord(name=row[0], providers=row[1])
-        if row[2] is None:
-            return service, None
         expires_at = read_time(row[7]) if row[7] is not None else None
-        key = (issuer, subject, provider, service.name)
-        return service, connection_record(key, row[2:], expires_at)
+        return service_and_connection((issuer, subject, provider), row, expires_at)
 
     async def close(self) -> None:
         if self._checkpoint is not None:
