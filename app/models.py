@@ -67,7 +67,8 @@ class Flow(Base):
     __tablename__ = "flows"
     __table_args__ = (
         Index("ix_flows_status_expires_at", "status", "expires_at"),
-        Index("ix_flows_owner_status", "issuer", "subject", "status"),  # open-flow cap per user
+        # the open-flow cap per user counts from this index alone
+        Index("ix_flows_owner_open", "issuer", "subject", "status", "expires_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)

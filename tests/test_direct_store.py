@@ -326,6 +326,37 @@ def sqlite_path(url: str) -> str:
     return url.removeprefix("sqlite:///")
 
 
+def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database: Database) -> None:
+    """Every round 1 inserts a flow after counting the user's open ones: that count must not read
+    a table row per flow."""
+    values = dict.fromkeys(
+        (
+            "id",
+            "issuer",
+            "subject",
+            "client_id",
+            "client_name",
+            "audience",
+            "provider",
+            "scopes",
+            "tool_name",
+            "args_digest",
+            "now",
+            "expires_at",
+            "max_open",
+        ),
+        "x",
+    )
+    with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
+        plan = connection.execute("EXPLAIN QUERY PLAN " + sqlite_store.INSERT_FLOW, values)
+        details = [row[3] for row in plan.fetchall()]
+    searches = [detail for detail in details if detail.startswith("SEARCH flows")]
+    assert searches == [
+        "SEARCH flows USING COVERING INDEX ix_flows_owner_open "
+        "(issuer=? AND subject=? AND status=? AND expires_at>?)"
+    ], details
+
+
 async def test_an_insert_waits_for_a_held_write_lock_off_the_event_loop(
     sqlite_database: Database,
 ) -> None:
