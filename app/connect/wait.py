@@ -14,9 +14,16 @@ from app.runtime import Runtime
 async def wait_for_flow(
     runtime: Runtime, flow_id: str, principal: Principal, wait_seconds: float
 ) -> FlowView | None:
-    """The flow once it is no longer open, or as it stands after `wait_seconds`."""
+    """The flow once it is no longer open, or as it stands after `wait_seconds`.
+
+    A finished flow (most retries) is answered from one read, without subscribing; an open one is
+    read again once subscribed, so a completion between the two reads still wakes the wait.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_seconds
+    flow = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+    if flow is None or not flow.is_open or wait_seconds <= 0:
+        return flow
     with runtime.notifier.subscribe(flow_id) as changed:
         while True:
             changed.clear()

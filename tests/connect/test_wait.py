@@ -1,0 +1,111 @@
+"""wait_for_flow, the retry's bounded wait, against a scripted store: which reads it makes, when it
+subscribes, and that no completion is missed between its first read and its subscription."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+from app.auth.principal import Principal
+from app.clock import utcnow
+from app.connect.notify import FlowNotifier
+from app.connect.wait import wait_for_flow
+from app.direct.records import FlowRecord
+from app.models import FlowStatus
+from app.runtime import Runtime
+
+ALICE = Principal("https://idp.example", "alice")
+OPEN = FlowRecord(
+    id="flow-1",
+    issuer=ALICE.issuer,
+    subject=ALICE.subject,
+    client_id="client",
+    client_name=None,
+    audience="mcp",
+    provider="demo",
+    scopes="",
+    status=FlowStatus.pending,
+    account_label=None,
+    failure=None,
+    expires_at=utcnow() + timedelta(minutes=10),
+)
+DONE = dataclasses.replace(OPEN, status=FlowStatus.completed, account_label="demo key")
+SLOW_POLL = 5.0  # seconds: a wait that relied on polling would show in the elapsed time
+
+
+class ScriptedStore:
+    """Answers `get_flow` from a list, the last answer repeating; counts the reads."""
+
+    def __init__(self, *answers: FlowRecord) -> None:
+        self.answers = list(answers)
+        self.reads = 0
+
+    async def get_flow(self, flow_id: str) -> FlowRecord | None:
+        answer = self.answers[min(self.reads, len(self.answers) - 1)]
+        self.reads += 1
+        return answer if answer.id == flow_id else None
+
+
+class CountingNotifier(FlowNotifier):
+    def __init__(self) -> None:
+        super().__init__(poll_interval=SLOW_POLL)
+        self.subscriptions = 0
+
+    @contextlib.contextmanager
+    def subscribe(self, flow_id: str) -> Iterator[asyncio.Event]:
+        self.subscriptions += 1
+        with super().subscribe(flow_id) as event:
+            yield event
+
+
+def runtime_with(store: ScriptedStore, notifier: FlowNotifier) -> Runtime:
+    return cast(Runtime, SimpleNamespace(direct=store, notifier=notifier))
+
+
+async def timed_wait(runtime: Runtime, seconds: float) -> tuple[Any, float]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    flow = await wait_for_flow(runtime, "flow-1", ALICE, seconds)
+    return flow, loop.time() - started
+
+
+async def test_a_finished_flow_is_answered_from_one_read_without_subscribing() -> None:
+    store, notifier = ScriptedStore(DONE), CountingNotifier()
+    flow, _ = await timed_wait(runtime_with(store, notifier), 20)
+    assert flow is not None and flow.status == FlowStatus.completed
+    assert (store.reads, notifier.subscriptions) == (1, 0)
+
+
+async def test_a_completion_between_the_first_read_and_the_subscription_is_not_missed() -> None:
+    store, notifier = ScriptedStore(OPEN, DONE), CountingNotifier()  # no wake-up ever comes
+    flow, elapsed = await timed_wait(runtime_with(store, notifier), 20)
+    assert flow is not None and flow.status == FlowStatus.completed
+    assert elapsed < SLOW_POLL / 2, "found only by polling, not by the read after subscribing"
+    assert (store.reads, notifier.subscriptions) == (2, 1)
+
+
+async def test_an_open_flow_is_returned_when_its_completion_wakes_the_wait() -> None:
+    store, notifier = ScriptedStore(OPEN), CountingNotifier()
+
+    async def complete_later() -> None:
+        await asyncio.sleep(0.05)
+        store.answers = [DONE]
+        notifier.wake("flow-1")
+
+    completer = asyncio.create_task(complete_later())
+    flow, elapsed = await timed_wait(runtime_with(store, notifier), 20)
+    await completer
+    assert flow is not None and flow.status == FlowStatus.completed
+    assert elapsed < SLOW_POLL / 2
+
+
+async def test_without_a_wait_an_open_flow_is_returned_as_it_stands() -> None:
+    store, notifier = ScriptedStore(OPEN), CountingNotifier()
+    flow, _ = await timed_wait(runtime_with(store, notifier), 0)
+    assert flow is not None and flow.status == FlowStatus.pending
+    assert (store.reads, notifier.subscriptions) == (1, 0)
