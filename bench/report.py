@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from bench.wrk import WrkResult
@@ -41,6 +42,25 @@ class Measurement:
     cpu_ms_per_request: float | None
 
 
+def median_of(runs: list[Measurement]) -> Measurement:
+    """Repeated runs of one scenario as one: medians of rates, latencies and CPU; sums of counts
+    (an error in any run shows)."""
+    results = [run.wrk for run in runs]
+    cpu = [run.cpu_ms_per_request for run in runs if run.cpu_ms_per_request is not None]
+    combined = WrkResult(
+        requests=sum(result.requests for result in results),
+        rps=statistics.median(result.rps for result in results),
+        p50_ms=statistics.median(result.p50_ms for result in results),
+        p99_ms=statistics.median(result.p99_ms for result in results),
+        non_2xx=sum(result.non_2xx for result in results),
+        socket_errors=sum(result.socket_errors for result in results),
+        issued=sum(result.issued for result in results),
+        unexpected=sum(result.unexpected for result in results),
+        pool=results[0].pool,
+    )
+    return Measurement(combined, statistics.median(cpu) if len(cpu) == len(runs) else None)
+
+
 @dataclass(frozen=True)
 class Row:
     scenario: str
@@ -49,9 +69,12 @@ class Row:
     bare: Measurement | None = None  # None: this row is the bare reference itself
     targeted: bool = True
     target: Target = MCP_TARGET
+    ratios: tuple[float, ...] = ()  # one per broker/bare pair of runs, when repeated
 
     @property
     def ratio(self) -> float:
+        if self.ratios:
+            return statistics.median(self.ratios)
         return self.measured.wrk.rps / self.bare.wrk.rps if self.bare else 1.0
 
     @property
