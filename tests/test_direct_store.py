@@ -119,10 +119,11 @@ async def test_a_flow_written_directly_reads_the_same_through_the_orm_and_back(
     created = await start_flow(database.store, "alice")
     async with database.sessions() as session:
         through_orm = await flows.get(session, flow_id=created.id)
-    direct = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
+    read = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
 
+    assert read is not None
+    direct = read.flow
     assert through_orm == direct
-    assert direct is not None
     assert direct.status == FlowStatus.pending
     assert direct.expires_at == created.expires_at  # microseconds and UTC survive both ways
     assert direct.scopes == ("repo",)
@@ -141,7 +142,56 @@ async def test_a_flow_written_directly_reads_the_same_through_the_orm_and_back(
 
     assert moved
     assert after is not None
-    assert (after.status, after.account_label) == (FlowStatus.completed, "alice@demo")
+    assert (after.flow.status, after.flow.account_label) == (FlowStatus.completed, "alice@demo")
+
+
+async def test_a_flow_is_read_with_its_owners_connection_for_its_provider_and_audience(
+    database: Database,
+) -> None:
+    """What a retry of a finished flow uses instead of reading the connection again."""
+    created = await start_flow(database.store, "alice")  # provider demo, audience mcp
+    before = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
+    assert before is not None and before.connection is None
+
+    expires = utcnow() + timedelta(hours=1)
+    async with database.sessions.begin() as session:
+        for owner, provider, audience, key in (
+            ("bob", "demo", "mcp", "sk_bob_1"),  # another user's
+            ("alice", "other", "mcp", "sk_other_1"),  # another provider's
+            ("alice", "demo", "svc", "sk_svc_1"),  # another audience's
+        ):
+            await credentials.store(
+                session,
+                keys=KEYS,
+                principal=Principal(ISSUER, owner),
+                provider=provider,
+                audience=audience,
+                secret={"api_key": key},
+            )
+    unrelated = await flows.read_for(
+        database.store, flow_id=created.id, principal=created.principal
+    )
+    assert unrelated is not None and unrelated.connection is None
+
+    async with database.sessions.begin() as session:
+        await credentials.store(
+            session,
+            keys=KEYS,
+            principal=created.principal,
+            provider="demo",
+            audience="mcp",
+            secret={"api_key": "sk_alice_1"},
+            scopes=frozenset({"repo"}),
+            account_label="alice@demo",
+            expires_at=expires,
+        )
+    read = await flows.read_for(database.store, flow_id=created.id, principal=created.principal)
+
+    assert read is not None and read.connection is not None
+    assert read.connection == await database.store.find_connection(ISSUER, "alice", "demo", "mcp")
+    assert read.connection.expires_at == expires
+    assert credentials.open_row(read.connection, keys=KEYS) == {"api_key": "sk_alice_1"}
+    assert read.flow == before.flow
 
 
 async def test_a_flow_is_not_read_for_another_principal_or_a_bad_id(database: Database) -> None:
@@ -436,9 +486,9 @@ async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Databa
     assert results[0] is True
     assert isinstance(results[1], sqlite3.IntegrityError)
     assert results[2] is True
-    judy = await sqlite_database.store.get_flow("other-id")
+    judy = await sqlite_database.store.get_flow_and_connection("other-id")
     assert judy is not None
-    assert judy.subject == "judy"
+    assert judy[0].subject == "judy"
 
 
 async def test_the_wal_is_checkpointed_off_the_event_loop_after_writes(
@@ -473,7 +523,7 @@ async def test_a_file_that_is_not_a_database_is_store_unavailable(tmp_path: Path
     store = open_direct_store(f"sqlite:///{path}", pool_size=1)
     try:
         with pytest.raises(StoreUnavailable):
-            await store.get_flow("some-flow")
+            await store.get_flow_and_connection("some-flow")
         with pytest.raises(StoreUnavailable):
             await start_flow(store, "leo")
     finally:

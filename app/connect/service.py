@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.crypto import random_token
-from app.direct import DirectStore, FlowRecord, NewFlow
+from app.direct import ConnectionRecord, DirectStore, FlowRecord, NewFlow
 from app.models import BROKER_AUDIENCE, DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
 
 MAX_OPEN_FLOWS_PER_USER = 20
@@ -62,6 +62,15 @@ class FlowView:
         if self.status in OPEN_FLOW_STATUSES and self.expires_at <= utcnow():
             return FlowStatus.expired
         return self.status
+
+
+@dataclass(frozen=True)
+class FlowRead:
+    """A flow read for its owner, with the owner's connection for the flow's provider and
+    audience as the same statement found it (None: there was none)."""
+
+    flow: FlowView
+    connection: ConnectionRecord | None
 
 
 def _view(flow: Flow | FlowRecord) -> FlowView:
@@ -130,14 +139,18 @@ async def create(
     )
 
 
-async def read_for(store: DirectStore, *, flow_id: str, principal: Principal) -> FlowView | None:
-    """The flow if it belongs to `principal` (MCP retries: foreign flows don't exist)."""
+async def read_for(store: DirectStore, *, flow_id: str, principal: Principal) -> FlowRead | None:
+    """The flow and its connection if it belongs to `principal` (MCP retries: foreign flows
+    don't exist)."""
     if not flow_id or len(flow_id) > 64:
         return None
-    record = await store.get_flow(flow_id)
-    if record is None or (record.issuer, record.subject) != (principal.issuer, principal.subject):
+    found = await store.get_flow_and_connection(flow_id)
+    if found is None:
         return None
-    return _view(record)
+    record, connection = found
+    if (record.issuer, record.subject) != (principal.issuer, principal.subject):
+        return None
+    return FlowRead(_view(record), connection)
 
 
 async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:

@@ -7,30 +7,31 @@ import contextlib
 
 from app.auth.principal import Principal
 from app.connect import service as flows
-from app.connect.service import FlowView
+from app.connect.service import FlowRead
 from app.runtime import Runtime
 
 
 async def wait_for_flow(
     runtime: Runtime, flow_id: str, principal: Principal, wait_seconds: float
-) -> FlowView | None:
-    """The flow once it is no longer open, or as it stands after `wait_seconds`.
+) -> FlowRead | None:
+    """The flow (and its connection) once it is no longer open, or as it stands after
+    `wait_seconds`.
 
     A finished flow (most retries) is answered from one read, without subscribing; an open one is
     read again once subscribed, so a completion between the two reads still wakes the wait.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_seconds
-    flow = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
-    if flow is None or not flow.is_open or wait_seconds <= 0:
-        return flow
+    read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+    if read is None or not read.flow.is_open or wait_seconds <= 0:
+        return read
     with runtime.notifier.subscribe(flow_id) as changed:
         while True:
             changed.clear()
-            flow = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+            read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
             remaining = deadline - loop.time()
-            if flow is None or not flow.is_open or remaining <= 0:
-                return flow
+            if read is None or not read.flow.is_open or remaining <= 0:
+                return read
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     changed.wait(), min(remaining, runtime.notifier.poll_interval)

@@ -7,7 +7,9 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
 
     find_connection  the sealed credential for (issuer, subject, provider, audience)
     insert_flow      a new connect flow, unless the user already has too many open ones
-    get_flow         a flow by id (MCP retries and the bounded wait)
+    get_flow_and_connection
+                     a flow by id, with its owner's connection for its provider (MCP retries,
+                     the integration API's resume, and the bounded wait)
     find_service     a live sibling service by the digest of its secret
     find_service_and_own_connection
                      both at once, for the integration API's credential fetch

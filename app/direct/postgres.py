@@ -20,7 +20,7 @@ from app.direct.records import (
     ServiceRecord,
     StoreUnavailable,
     connection_record,
-    flow_record,
+    flow_and_connection,
     service_and_connection,
 )
 from app.models import OPEN_FLOW_STATUSES
@@ -56,10 +56,15 @@ WHERE (SELECT count(*) FROM (
          WHERE issuer = $2 AND subject = $3 AND status = ANY($13::text[]) AND expires_at > $11
          LIMIT $14) AS open_flows) < $14
 """
-GET_FLOW = """
-SELECT id, issuer, subject, client_id, client_name, audience, provider, scopes, status,
-       account_label, failure, expires_at
-FROM flows WHERE id = $1
+GET_FLOW_AND_CONNECTION = """
+SELECT f.id, f.issuer, f.subject, f.client_id, f.client_name, f.audience, f.provider, f.scopes,
+       f.status, f.account_label, f.failure, f.expires_at,
+       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
+FROM flows AS f
+LEFT JOIN connections AS c
+  ON c.issuer = f.issuer AND c.subject = f.subject AND c.provider = f.provider
+ AND c.audience = f.audience
+WHERE f.id = $1
 """
 FIND_SERVICE = """
 SELECT name, providers FROM service_clients
@@ -150,9 +155,11 @@ class PostgresStore:
         )
         return status == "INSERT 0 1"
 
-    async def get_flow(self, flow_id: str) -> FlowRecord | None:
-        row = await self._run(lambda c: c.fetchrow(GET_FLOW, flow_id))
-        return flow_record(row, row[11]) if row is not None else None
+    async def get_flow_and_connection(
+        self, flow_id: str
+    ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
+        row = await self._run(lambda c: c.fetchrow(GET_FLOW_AND_CONNECTION, flow_id))
+        return flow_and_connection(row, row[11], row[17]) if row is not None else None
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         row = await self._run(lambda c: c.fetchrow(FIND_SERVICE, digests))

@@ -80,8 +80,8 @@ def service_and_connection(
 
 
 def flow_record(row: Sequence[Any], expires_at: datetime) -> FlowRecord:
-    """The record from a row of the stores' `GET_FLOW` (the fields in order, `expires_at` last),
-    with `expires_at` converted."""
+    """The flow's record from the first twelve columns of a `GET_FLOW_AND_CONNECTION` row (the
+    fields in order, `expires_at` last), with `expires_at` converted."""
     return FlowRecord(
         id=row[0],
         issuer=row[1],
@@ -96,6 +96,19 @@ def flow_record(row: Sequence[Any], expires_at: datetime) -> FlowRecord:
         failure=row[10],
         expires_at=expires_at,
     )
+
+
+def flow_and_connection(
+    row: Sequence[Any], expires_at: datetime, connection_expires_at: datetime | None
+) -> tuple[FlowRecord, ConnectionRecord | None]:
+    """The records from a row of the stores' `GET_FLOW_AND_CONNECTION`: `GET_FLOW`'s columns,
+    then `FIND_CONNECTION`'s for the flow's owner, provider and audience (all NULL when there is
+    no such connection), with both `expires_at` converted."""
+    flow = flow_record(row, expires_at)
+    if row[12] is None:
+        return flow, None
+    key = (flow.issuer, flow.subject, flow.provider, flow.audience)
+    return flow, connection_record(key, row[12:], connection_expires_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +145,13 @@ class DirectStore(Protocol):
         authorizing or exchanging); True if inserted."""
         ...
 
-    async def get_flow(self, flow_id: str) -> FlowRecord | None: ...
+    async def get_flow_and_connection(
+        self, flow_id: str
+    ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
+        """The flow, and in the same statement its owner's connection for the flow's provider and
+        audience, if any: a retry that finds its flow done has the credential without another
+        round trip (and both come from one snapshot)."""
+        ...
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         """The unrevoked service whose secret digest is one of `digests`."""

@@ -35,7 +35,7 @@ from app.direct.records import (
     ServiceRecord,
     StoreUnavailable,
     connection_record,
-    flow_record,
+    flow_and_connection,
     service_and_connection,
 )
 
@@ -61,10 +61,15 @@ WHERE (SELECT count(*) FROM (
            AND expires_at > :now
          LIMIT :max_open)) < :max_open
 """
-GET_FLOW = """
-SELECT id, issuer, subject, client_id, client_name, audience, provider, scopes, status,
-       account_label, failure, expires_at
-FROM flows WHERE id = ?
+GET_FLOW_AND_CONNECTION = """
+SELECT f.id, f.issuer, f.subject, f.client_id, f.client_name, f.audience, f.provider, f.scopes,
+       f.status, f.account_label, f.failure, f.expires_at,
+       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
+FROM flows AS f
+LEFT JOIN connections AS c
+  ON c.issuer = f.issuer AND c.subject = f.subject AND c.provider = f.provider
+ AND c.audience = f.audience
+WHERE f.id = ?
 """
 FIND_SERVICE = """
 SELECT name, providers FROM service_clients
@@ -242,11 +247,14 @@ class SqliteStore:
         }
         return await self._write(INSERT_FLOW, values) == 1
 
-    async def get_flow(self, flow_id: str) -> FlowRecord | None:
-        row = await self._run(lambda c: c.execute(GET_FLOW, (flow_id,)).fetchone())
+    async def get_flow_and_connection(
+        self, flow_id: str
+    ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
+        row = await self._run(lambda c: c.execute(GET_FLOW_AND_CONNECTION, (flow_id,)).fetchone())
         if row is None:
             return None
-        return flow_record(row, read_time(row[11]))
+        connection_expires_at = read_time(row[17]) if row[17] is not None else None
+        return flow_and_connection(row, read_time(row[11]), connection_expires_at)
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         statement = FIND_SERVICE.format(digests=_placeholders(len(digests)))

@@ -272,11 +272,14 @@ async def resume_connection(
     if action not in (None, "accept"):
         raise InvalidInputResponse()
     wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-    flow = await wait_for_flow(runtime, payload.flow_id, principal, wait)
-    if flow is not None and flow.is_done:
-        async with runtime.sessionmaker.begin() as session:
-            await flows.mark_consumed(session, flow_id=flow.id, principal=principal)
-        found = await usable_for(runtime, service, provider, principal)
+    read = await wait_for_flow(runtime, payload.flow_id, principal, wait)
+    flow = read.flow if read is not None else None
+    if read is not None and read.flow.is_done:
+        if read.flow.status == FlowStatus.completed:  # a repeated retry: consumed already
+            async with runtime.sessionmaker.begin() as session:
+                await flows.mark_consumed(session, flow_id=read.flow.id, principal=principal)
+        known = {read.flow.audience: read.connection} if read.flow.provider == provider else None
+        found = await usable_for(runtime, service, provider, principal, known=known)
         if found is not None:
             return ConnectOutcome(status="connected", credential=found)
         return await require_connection(runtime, service, provider, principal, body)

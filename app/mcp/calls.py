@@ -10,14 +10,16 @@ same URL with a fresh state; declined/cancelled/expired → an `isError` result.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from app.auth.principal import McpCaller
 from app.connect import service as flows
-from app.connect.refresh import usable_credential
-from app.connect.service import FlowView, TooManyOpenFlows
+from app.connect.refresh import usable_credential, usable_from_row
+from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
 from app.credentials import Credential
+from app.direct import ConnectionRecord
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
 from app.mcp.registry import (
@@ -41,22 +43,39 @@ CAPABILITY_FOR_METHOD = {
 
 
 class BrokerConnections:
-    """`call.connections` for the broker's own endpoint: credentials of audience "mcp"."""
+    """`call.connections` for the broker's own endpoint: credentials of audience "mcp".
+
+    `known`: connection rows already read for this caller and audience, by provider (None: read
+    and found absent), e.g. the one read with the finished flow of a retry.
+    """
 
     def __init__(
-        self, runtime: Runtime, caller: McpCaller, audience: str = BROKER_AUDIENCE
+        self,
+        runtime: Runtime,
+        caller: McpCaller,
+        audience: str = BROKER_AUDIENCE,
+        *,
+        known: Mapping[str, ConnectionRecord | None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._caller = caller
         self._audience = audience
+        self._known = known or {}
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        credential = await usable_credential(
-            self._runtime,
-            principal=self._caller.principal,
-            provider=provider,
-            audience=self._audience,
-        )
+        principal = self._caller.principal
+        if provider in self._known:
+            credential = await usable_from_row(
+                self._runtime,
+                self._known[provider],
+                principal=principal,
+                provider=provider,
+                audience=self._audience,
+            )
+        else:
+            credential = await usable_credential(
+                self._runtime, principal=principal, provider=provider, audience=self._audience
+            )
         if credential is None:
             raise ConnectionRequired(provider, scopes)
         if not set(scopes) <= credential.scopes:  # step-up: ask for what it has and more
@@ -101,11 +120,14 @@ class CallToolRound:
                 arguments_digest=self.digest,
             )
         finished_flow: FlowView | None = None
+        known: dict[str, ConnectionRecord | None] = {}
         if state is not None and state.flow_id is not None:
             resumed = await self._resume_flow(state.flow_id, state.input_key or "")
-            if not isinstance(resumed, FlowView):
+            if not isinstance(resumed, FlowRead):
                 return resumed  # still waiting, declined, cancelled or expired
-            finished_flow = resumed
+            finished_flow = resumed.flow
+            if finished_flow.audience == BROKER_AUDIENCE:
+                known[finished_flow.provider] = resumed.connection
         call = ToolCall(
             name=self.tool.name,
             arguments=self.arguments,
@@ -114,7 +136,7 @@ class CallToolRound:
             capabilities=self.message.capabilities,
             input_responses=self.input_responses,
             state=state.data if state is not None and state.flow_id is None else None,
-            connections=BrokerConnections(self.runtime, self.caller),
+            connections=BrokerConnections(self.runtime, self.caller, known=known),
         )
         try:
             outcome = await self.tool.handler(call)
@@ -210,8 +232,9 @@ class CallToolRound:
         }
         return self._input_required({key: request}, flow_id=flow.id, input_key=key)
 
-    async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | FlowView:
-        """The answer for a retry of a connect round, or the flow itself when it is done."""
+    async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | FlowRead:
+        """The answer for a retry of a connect round, or the flow (and its connection) when it
+        is done."""
         principal = self.caller.principal
         response = self.input_responses.get(key)
         action = response.get("action") if isinstance(response, dict) else None
@@ -223,18 +246,20 @@ class CallToolRound:
                 ended = await flows.end_by_client(
                     session, flow_id=flow_id, principal=principal, status=status
                 )
-            flow = await flows.read_for(self.runtime.direct, flow_id=flow_id, principal=principal)
-            if flow is not None and flow.is_done and not ended:
-                return flow
-            return self._ended(flow, status)
+            read = await flows.read_for(self.runtime.direct, flow_id=flow_id, principal=principal)
+            if read is not None and read.flow.is_done and not ended:
+                return read
+            return self._ended(read.flow if read else None, status)
         # accept (or no answer at all): wait for the browser side, bounded.
         timeout = self.runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-        flow = await wait_for_flow(self.runtime, flow_id, self.caller.principal, timeout)
-        if flow is not None and flow.is_done:
-            return flow
-        if flow is not None and flow.is_open:
-            return self._elicit(flow)
-        return self._ended(flow, flow.outcome if flow else FlowStatus.expired)
+        read = await wait_for_flow(self.runtime, flow_id, self.caller.principal, timeout)
+        if read is None:
+            return self._ended(None, FlowStatus.expired)
+        if read.flow.is_done:
+            return read
+        if read.flow.is_open:
+            return self._elicit(read.flow)
+        return self._ended(read.flow, read.flow.outcome)
 
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
         provider = self.runtime.settings.providers.get(flow.provider) if flow else None

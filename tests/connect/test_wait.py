@@ -9,13 +9,14 @@ import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.notify import FlowNotifier
+from app.connect.service import FlowView
 from app.connect.wait import wait_for_flow
-from app.direct.records import FlowRecord
+from app.direct.records import ConnectionRecord, FlowRecord
 from app.models import FlowStatus
 from app.runtime import Runtime
 
@@ -39,16 +40,19 @@ SLOW_POLL = 5.0  # seconds: a wait that relied on polling would show in the elap
 
 
 class ScriptedStore:
-    """Answers `get_flow` from a list, the last answer repeating; counts the reads."""
+    """Answers `get_flow_and_connection` from a list (flows, no connection), the last answer
+    repeating; counts the reads."""
 
     def __init__(self, *answers: FlowRecord) -> None:
         self.answers = list(answers)
         self.reads = 0
 
-    async def get_flow(self, flow_id: str) -> FlowRecord | None:
+    async def get_flow_and_connection(
+        self, flow_id: str
+    ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
         answer = self.answers[min(self.reads, len(self.answers) - 1)]
         self.reads += 1
-        return answer if answer.id == flow_id else None
+        return (answer, None) if answer.id == flow_id else None
 
 
 class CountingNotifier(FlowNotifier):
@@ -67,11 +71,11 @@ def runtime_with(store: ScriptedStore, notifier: FlowNotifier) -> Runtime:
     return cast(Runtime, SimpleNamespace(direct=store, notifier=notifier))
 
 
-async def timed_wait(runtime: Runtime, seconds: float) -> tuple[Any, float]:
+async def timed_wait(runtime: Runtime, seconds: float) -> tuple[FlowView | None, float]:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    flow = await wait_for_flow(runtime, "flow-1", ALICE, seconds)
-    return flow, loop.time() - started
+    read = await wait_for_flow(runtime, "flow-1", ALICE, seconds)
+    return (read.flow if read is not None else None), loop.time() - started
 
 
 async def test_a_finished_flow_is_answered_from_one_read_without_subscribing() -> None:
