@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from datetime import timedelta
 
 from app import credentials
@@ -40,27 +41,26 @@ def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:
     )
 
 
+# Connection rows of one principal already read, by (provider, audience); None: read and absent.
+KnownRows = Mapping[tuple[str, str], ConnectionRecord | None]
+
+
 async def usable_credential(
-    runtime: Runtime, *, principal: Principal, provider: str, audience: str
-) -> Credential | None:
-    """The caller's credential, refreshed first when it expires within five minutes."""
-    row = await runtime.direct.find_connection(
-        principal.issuer, principal.subject, provider, audience
-    )
-    return await usable_from_row(
-        runtime, row, principal=principal, provider=provider, audience=audience
-    )
-
-
-async def usable_from_row(
     runtime: Runtime,
-    row: ConnectionRecord | None,
     *,
     principal: Principal,
     provider: str,
     audience: str,
+    known: KnownRows | None = None,
 ) -> Credential | None:
-    """`usable_credential` for a row already read (`find_connection` of the same key)."""
+    """The caller's credential, refreshed first when it expires within five minutes. A row in
+    `known` (e.g. read with a finished flow, or with the calling service) is not read again."""
+    if known is not None and (provider, audience) in known:
+        row = known[provider, audience]
+    else:
+        row = await runtime.direct.find_connection(
+            principal.issuer, principal.subject, provider, audience
+        )
     if row is None or row.status != ConnectionStatus.active:
         return None
     secret = credentials.open_row(row, keys=runtime.sealing_keys)

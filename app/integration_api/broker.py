@@ -8,7 +8,6 @@ so it cannot be replayed by another service, for another user or another request
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -16,10 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
-from app.connect.refresh import usable_credential, usable_from_row
+from app.connect.refresh import KnownRows, usable_credential
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
-from app.direct import ConnectionRecord
 from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.mcp.protocol import JsonRpcError
@@ -136,19 +134,14 @@ async def usable_for(
     provider: str,
     principal: Principal,
     *,
-    known: Mapping[str, ConnectionRecord | None] | None = None,
+    known: KnownRows | None = None,
 ) -> CredentialView | None:
     """The first usable credential among the audiences the service reads, its own first.
-    `known`: connection rows already read for this user and provider, by audience."""
+    `known`: connection rows of this user already read, used instead of reading them again."""
     for audience in readable_audiences(runtime, service):
-        if known is not None and audience in known:
-            found = await usable_from_row(
-                runtime, known[audience], principal=principal, provider=provider, audience=audience
-            )
-        else:
-            found = await usable_credential(
-                runtime, principal=principal, provider=provider, audience=audience
-            )
+        found = await usable_credential(
+            runtime, principal=principal, provider=provider, audience=audience, known=known
+        )
         if found is not None:
             kind = (
                 "oauth2"
@@ -278,7 +271,7 @@ async def resume_connection(
         if read.flow.status == FlowStatus.completed:  # a repeated retry: consumed already
             async with runtime.sessionmaker.begin() as session:
                 await flows.mark_consumed(session, flow_id=read.flow.id, principal=principal)
-        known = {read.flow.audience: read.connection} if read.flow.provider == provider else None
+        known = {(read.flow.provider, read.flow.audience): read.connection}
         found = await usable_for(runtime, service, provider, principal, known=known)
         if found is not None:
             return ConnectOutcome(status="connected", credential=found)

@@ -90,7 +90,7 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
             raise InvalidServiceCredentials()
         service, own = found
         view = await credential_for(
-            runtime, service, provider, issuer, subject, known={service.name: own}
+            runtime, service, provider, issuer, subject, known={(provider, service.name): own}
         )
         response = Response(view.model_dump_json(exclude_none=True), media_type="application/json")
     except BrokerError as exc:

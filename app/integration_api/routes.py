@@ -12,7 +12,6 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -21,8 +20,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
+from app.connect.refresh import KnownRows
 from app.deps import RuntimeDep, SessionDep
-from app.direct import ConnectionRecord
 from app.integration_api import services
 from app.integration_api.broker import (
     ConnectionItem,
@@ -151,10 +150,10 @@ async def credential_for(
     issuer: str,
     subject: str,
     *,
-    known: Mapping[str, ConnectionRecord | None] | None = None,
+    known: KnownRows | None = None,
 ) -> CredentialView:
     """The credential route's answer, also given by its fast path (credential_fetch.py), which
-    passes the service's own connection row, read with the service (`known`, by audience)."""
+    passes the service's own connection row, read with the service (`known`)."""
     _provider(runtime, service, provider)
     found = await usable_for(
         runtime, service, provider, _principal(runtime, issuer, subject), known=known

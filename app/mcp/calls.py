@@ -10,16 +10,14 @@ same URL with a fresh state; declined/cancelled/expired → an `isError` result.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from app.auth.principal import McpCaller
 from app.connect import service as flows
-from app.connect.refresh import usable_credential, usable_from_row
+from app.connect.refresh import KnownRows, usable_credential
 from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
 from app.credentials import Credential
-from app.direct import ConnectionRecord
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
 from app.mcp.registry import (
@@ -45,8 +43,8 @@ CAPABILITY_FOR_METHOD = {
 class BrokerConnections:
     """`call.connections` for the broker's own endpoint: credentials of audience "mcp".
 
-    `known`: connection rows already read for this caller and audience, by provider (None: read
-    and found absent), e.g. the one read with the finished flow of a retry.
+    `known`: connection rows already read for this caller (e.g. the one read with the finished
+    flow of a retry), used instead of reading them again.
     """
 
     def __init__(
@@ -55,27 +53,21 @@ class BrokerConnections:
         caller: McpCaller,
         audience: str = BROKER_AUDIENCE,
         *,
-        known: Mapping[str, ConnectionRecord | None] | None = None,
+        known: KnownRows | None = None,
     ) -> None:
         self._runtime = runtime
         self._caller = caller
         self._audience = audience
-        self._known = known or {}
+        self._known = known
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        principal = self._caller.principal
-        if provider in self._known:
-            credential = await usable_from_row(
-                self._runtime,
-                self._known[provider],
-                principal=principal,
-                provider=provider,
-                audience=self._audience,
-            )
-        else:
-            credential = await usable_credential(
-                self._runtime, principal=principal, provider=provider, audience=self._audience
-            )
+        credential = await usable_credential(
+            self._runtime,
+            principal=self._caller.principal,
+            provider=provider,
+            audience=self._audience,
+            known=self._known,
+        )
         if credential is None:
             raise ConnectionRequired(provider, scopes)
         if not set(scopes) <= credential.scopes:  # step-up: ask for what it has and more
@@ -120,14 +112,13 @@ class CallToolRound:
                 arguments_digest=self.digest,
             )
         finished_flow: FlowView | None = None
-        known: dict[str, ConnectionRecord | None] = {}
+        known: KnownRows = {}
         if state is not None and state.flow_id is not None:
             resumed = await self._resume_flow(state.flow_id, state.input_key or "")
             if not isinstance(resumed, FlowRead):
                 return resumed  # still waiting, declined, cancelled or expired
             finished_flow = resumed.flow
-            if finished_flow.audience == BROKER_AUDIENCE:
-                known[finished_flow.provider] = resumed.connection
+            known = {(finished_flow.provider, finished_flow.audience): resumed.connection}
         call = ToolCall(
             name=self.tool.name,
             arguments=self.arguments,
