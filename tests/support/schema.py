@@ -1,4 +1,4 @@
-"""Validate what the broker emits against the official 2026-07-28 JSON Schema (../shared/spec)."""
+"""Validate what the broker emits against the official 2026-07-28 JSON Schema (tests/data/spec)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-SCHEMA_PATH = (
-    Path(__file__).resolve().parents[2].parent / "shared" / "spec" / "2026-07-28" / "schema.json"
-)
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "spec" / "2026-07-28" / "schema.json"
+SCHEMA_SHA256 = "ef70b61f99b6d2e5e3b46863822eab08dff6a45bedc7a08914e0e5b133f40203"  # SOURCE.md
 SCHEMA_ID = "urn:mcp:2026-07-28"
 
 
