@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -318,6 +320,101 @@ async def test_a_service_is_read_with_its_own_connection_only(database: Database
     assert await read(secret, alice) is None
 
 
+async def test_concurrent_reads_each_get_their_own_row(database: Database) -> None:
+    """Calls of one loop turn may share a statement (PostgreSQL): each still gets its own row."""
+    async with database.sessions.begin() as session:
+        secrets = {
+            name: await services.create(session, keys=KEYS, name=name, providers=())
+            for name in ("svc-a", "svc-b")
+        }
+        for subject, audience in (("kim", "mcp"), ("kim", "svc-a"), ("lee", "svc-b")):
+            await credentials.store(
+                session,
+                keys=KEYS,
+                principal=Principal(ISSUER, subject),
+                provider="demo",
+                audience=audience,
+                secret={"api_key": f"sk_{subject}_{audience}"},
+            )
+    started = [await start_flow(database.store, subject) for subject in ("kim", "lee", "kim")]
+
+    def key_of(row: ConnectionRecord | None) -> str | None:
+        return credentials.open_row(row, keys=KEYS)["api_key"] if row is not None else None
+
+    lookups = [("kim", "mcp"), ("lee", "mcp"), ("kim", "svc-a"), ("lee", "svc-b"), ("max", "mcp")]
+    found = await asyncio.gather(
+        *(database.store.find_connection(ISSUER, s, "demo", a) for s, a in lookups)
+    )
+    assert [key_of(row) for row in found] == [
+        "sk_kim_mcp",
+        None,
+        "sk_kim_svc-a",
+        "sk_lee_svc-b",
+        None,
+    ]
+
+    reads = await asyncio.gather(
+        *(database.store.get_flow_and_connection(flow.id) for flow in started),
+        database.store.get_flow_and_connection("no-such-flow"),
+    )
+    assert [(read[0].id, read[0].subject) if read else None for read in reads] == [
+        (started[0].id, "kim"),
+        (started[1].id, "lee"),
+        (started[2].id, "kim"),
+        None,
+    ]
+    assert [key_of(read[1]) if read else None for read in reads] == [
+        "sk_kim_mcp",
+        None,
+        "sk_kim_mcp",
+        None,
+    ]
+
+    def fetch(
+        secret: str, subject: str
+    ) -> Awaitable[tuple[services.Service, ConnectionRecord | None] | None]:
+        return services.authenticate_with_own_connection(
+            database.store,
+            keys=KEYS,
+            secret=secret,
+            principal=Principal(ISSUER, subject),
+            provider="demo",
+        )
+
+    fetched = await asyncio.gather(
+        fetch(secrets["svc-a"], "kim"),
+        fetch(secrets["svc-b"], "kim"),
+        fetch(secrets["svc-b"], "lee"),
+        fetch("not-a-service-secret", "lee"),
+        fetch(secrets["svc-a"], "lee"),
+    )
+    assert [(got[0].name, key_of(got[1])) if got else None for got in fetched] == [
+        ("svc-a", "sk_kim_svc-a"),
+        ("svc-b", None),
+        ("svc-b", "sk_lee_svc-b"),
+        None,
+        ("svc-a", None),
+    ]
+
+
+async def test_the_open_flow_cap_holds_among_concurrent_inserts(database: Database) -> None:
+    attempts = [*(["nina"] * (MAX_OPEN_FLOWS_PER_USER + 5)), "omar", "omar", "omar"]
+
+    results = await asyncio.gather(
+        *(start_flow(database.store, subject) for subject in attempts), return_exceptions=True
+    )
+
+    nina, omar = results[: MAX_OPEN_FLOWS_PER_USER + 5], results[-3:]
+    assert sum(isinstance(result, flows.FlowView) for result in nina) == MAX_OPEN_FLOWS_PER_USER
+    assert sum(isinstance(result, TooManyOpenFlows) for result in nina) == 5
+    assert all(isinstance(result, flows.FlowView) for result in omar)
+    for result in results:
+        if isinstance(result, flows.FlowView):
+            assert await flows.read_for(
+                database.store, flow_id=result.id, principal=result.principal
+            )
+
+
 @pytest.fixture
 async def postgresql_url(tmp_path: Path) -> AsyncIterator[str]:
     """A migrated PostgreSQL database, whichever kind the suite runs on (the pool is its own)."""
@@ -342,6 +439,77 @@ async def test_waiting_for_a_busy_postgresql_pool_is_bounded(
         assert not holder.done()  # it gave up while the connection was still busy
         await holder
         assert await store.find_connection(ISSUER, "alice", "demo", "mcp") is None
+    finally:
+        await store.close()
+
+
+def new_flow(flow_id: str, subject: str) -> NewFlow:
+    now = utcnow()
+    return NewFlow(
+        id=flow_id,
+        issuer=ISSUER,
+        subject=subject,
+        client_id="c1",
+        client_name=None,
+        audience="mcp",
+        provider="demo",
+        scopes="",
+        tool_name="connect_account",
+        args_digest="d" * 64,
+        created_at=now,
+        expires_at=now + timedelta(minutes=10),
+    )
+
+
+async def test_postgresql_sends_the_calls_of_one_loop_turn_as_one_statement(
+    postgresql_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_direct_store(postgresql_url, pool_size=2)
+    assert isinstance(store, postgres_store.PostgresStore)
+    statements: list[str] = []
+
+    async def counting_fetch(connection: Any, query: str, *args: Any) -> Any:
+        statements.append(query)
+        return await original_fetch(connection, query, *args)
+
+    original_fetch = asyncpg.Connection.fetch
+    monkeypatch.setattr(asyncpg.Connection, "fetch", counting_fetch)
+    try:
+        inserted = await asyncio.gather(
+            *(store.insert_flow(new_flow(f"flow-{i}", f"u{i}"), max_open=20) for i in range(8))
+        )
+        read = await asyncio.gather(
+            *(store.get_flow_and_connection(f"flow-{i}") for i in range(8)),
+            *(store.find_connection(ISSUER, f"u{i}", "demo", "mcp") for i in range(8)),
+        )
+    finally:
+        await store.close()
+
+    assert inserted == [True] * 8
+    assert [item[0].id if item else None for item in read[:8]] == [f"flow-{i}" for i in range(8)]
+    assert read[8:] == [None] * 8
+    assert statements == [
+        postgres_store.INSERT_FLOWS,
+        postgres_store.GET_FLOWS_AND_CONNECTIONS,
+        postgres_store.FIND_CONNECTIONS,
+    ]
+
+
+async def test_postgresql_writes_nothing_of_a_batch_that_fails(postgresql_url: str) -> None:
+    """Flow ids are 256-bit random, so a duplicate is a bug; it fails its whole batch (one
+    statement), and nothing of that batch is written."""
+    store = open_direct_store(postgresql_url, pool_size=2)
+    try:
+        results = await asyncio.gather(
+            store.insert_flow(new_flow("same-id", "pat"), max_open=20),
+            store.insert_flow(new_flow("same-id", "quin"), max_open=20),
+            store.insert_flow(new_flow("other-id", "rae"), max_open=20),
+            return_exceptions=True,
+        )
+        assert all(isinstance(result, asyncpg.UniqueViolationError) for result in results)
+        assert await store.get_flow_and_connection("same-id") is None
+        assert await store.get_flow_and_connection("other-id") is None
+        assert await store.insert_flow(new_flow("other-id", "rae"), max_open=20) is True
     finally:
         await store.close()
 
@@ -458,24 +626,6 @@ async def test_inserts_of_one_loop_turn_share_one_commit(
 
 
 async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Database) -> None:
-    now = utcnow()
-
-    def new_flow(flow_id: str, subject: str) -> NewFlow:
-        return NewFlow(
-            id=flow_id,
-            issuer=ISSUER,
-            subject=subject,
-            client_id="c1",
-            client_name=None,
-            audience="mcp",
-            provider="demo",
-            scopes="",
-            tool_name="connect_account",
-            args_digest="d" * 64,
-            created_at=now,
-            expires_at=now + timedelta(minutes=10),
-        )
-
     results = await asyncio.gather(
         sqlite_database.store.insert_flow(new_flow("same-id", "hank"), max_open=20),
         sqlite_database.store.insert_flow(new_flow("same-id", "ivan"), max_open=20),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from app.direct.batching import LoopBatcher
 from app.direct.records import (
     ConnectionRecord,
     FlowRecord,
@@ -103,11 +104,10 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return getattr(exc, "sqlite_errorcode", 0) & 0xFF in BUSY_CODES
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Write:
     statement: str
     values: dict[str, Any]
-    done: asyncio.Future[int]  # the row count
 
 
 def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | Exception]:
@@ -133,8 +133,7 @@ class SqliteStore:
     def __init__(self, path: str) -> None:
         self._path = path
         self._loop_connection: sqlite3.Connection | None = None
-        self._batch: list[_Write] = []
-        self._committing: set[asyncio.Task[None]] = set()
+        self._writes: LoopBatcher[_Write, int] = LoopBatcher(self._commit)
         self._checkpoint: asyncio.TimerHandle | None = None
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
         self._waiter_local = threading.local()
@@ -177,33 +176,13 @@ class SqliteStore:
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
     async def _write(self, statement: str, values: dict[str, Any]) -> int:
-        loop = asyncio.get_running_loop()
-        if not self._batch:
-            loop.call_soon(self._start_commit)
-        write = _Write(statement, values, loop.create_future())
-        self._batch.append(write)
-        return await write.done
+        """The row count of `statement`, committed with the other writes of this loop turn."""
+        return await self._writes.submit(_Write(statement, values))
 
-    def _start_commit(self) -> None:
-        task = asyncio.get_running_loop().create_task(self._commit_batch())
-        self._committing.add(task)  # the loop keeps only a weak reference to a task
-        task.add_done_callback(self._committing.discard)
-
-    async def _commit_batch(self) -> None:
-        writes, self._batch = self._batch, []
-        try:
-            outcomes = await self._run(lambda c: _apply(c, writes))
-        except Exception as exc:  # every waiting request gets the failure
-            outcomes = [exc] * len(writes)
-        else:
-            self._schedule_checkpoint()
-        for write, outcome in zip(writes, outcomes, strict=True):
-            if write.done.done():
-                continue  # the request was cancelled meanwhile
-            if isinstance(outcome, Exception):
-                write.done.set_exception(outcome)
-            else:
-                write.done.set_result(outcome)
+    async def _commit(self, writes: list[_Write]) -> list[int | Exception]:
+        outcomes = await self._run(lambda c: _apply(c, writes))
+        self._schedule_checkpoint()
+        return outcomes
 
     def _schedule_checkpoint(self) -> None:
         if self._checkpoint is None:
