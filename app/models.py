@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import DateTime, Index, Integer, MetaData, String, Text, TypeDecorator
+from sqlalchemy import DateTime, Index, Integer, MetaData, String, Text, TypeDecorator, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -69,6 +69,14 @@ class Flow(Base):
         Index("ix_flows_status_expires_at", "status", "expires_at"),
         # the open-flow cap per user counts from this index alone
         Index("ix_flows_owner_open", "issuer", "subject", "status", "expires_at"),
+        # only flows waiting at an OAuth provider have a state digest: NULLs are not indexed
+        Index(
+            "uq_flows_state_digest",
+            "state_digest",
+            unique=True,
+            sqlite_where=text("state_digest IS NOT NULL"),
+            postgresql_where=text("state_digest IS NOT NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -82,7 +90,7 @@ class Flow(Base):
     tool_name: Mapped[str] = mapped_column(String(128))
     args_digest: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), default=FlowStatus.pending)
-    state_digest: Mapped[str | None] = mapped_column(String(64), unique=True)
+    state_digest: Mapped[str | None] = mapped_column(String(64))
     sealed_pkce_verifier: Mapped[str | None] = mapped_column(Text)
     failure: Mapped[str | None] = mapped_column(String(64))
     account_label: Mapped[str | None] = mapped_column(String(255))

@@ -16,6 +16,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy import select, text, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import credentials
@@ -36,7 +38,7 @@ from app.direct import postgres as postgres_store
 from app.direct import sqlite as sqlite_store
 from app.integration_api import services
 from app.migrate import upgrade
-from app.models import FlowStatus
+from app.models import Flow, FlowStatus
 
 from .support.broker import database_kind, drop_database, fresh_database
 
@@ -243,6 +245,35 @@ async def test_expired_flows_do_not_count_against_the_cap(database: Database) ->
     fresh = await start_flow(database.store, "erin")
 
     assert fresh.status == FlowStatus.pending
+
+
+async def test_a_state_digest_is_unique_and_flows_without_one_are_not_indexed(
+    database: Database,
+) -> None:
+    first, second, third = [await start_flow(database.store, "sam") for _ in range(3)]
+    async with database.sessions.begin() as session:
+        await session.execute(update(Flow).where(Flow.id == first.id).values(state_digest="e" * 64))
+    with pytest.raises(IntegrityError):
+        async with database.sessions.begin() as session:
+            await session.execute(
+                update(Flow).where(Flow.id == second.id).values(state_digest="e" * 64)
+            )
+
+    async with database.sessions.begin() as session:
+        if database.url.startswith("sqlite"):
+            found = await session.execute(
+                text("SELECT sql FROM sqlite_master WHERE name = 'uq_flows_state_digest'")
+            )
+        else:
+            found = await session.execute(
+                text("SELECT indexdef FROM pg_indexes WHERE indexname = 'uq_flows_state_digest'")
+            )
+        definition = found.scalar_one()
+        with_digest = await session.execute(select(Flow.id).where(Flow.state_digest.is_not(None)))
+    assert "UNIQUE" in definition.upper()
+    assert "state_digest IS NOT NULL" in definition
+    assert with_digest.scalars().all() == [first.id]
+    assert third.status == FlowStatus.pending  # any number of flows without a digest
 
 
 async def test_a_live_service_is_found_by_its_digest_and_a_revoked_one_is_not(
