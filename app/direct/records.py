@@ -1,4 +1,9 @@
-"""What the direct store reads and writes, and the interface both drivers implement."""
+"""What the direct store reads and writes, and the interface both drivers implement.
+
+The row helpers below name the single-call statements (SQLite's `FIND_CONNECTION`, …). PostgreSQL's
+batched statements (`FIND_CONNECTIONS`, …) answer the same columns; where they lead with the
+call's position, the caller strips it before handing the row over.
+"""
 
 from __future__ import annotations
 
