@@ -17,14 +17,6 @@ def dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-class CompactJson:
-    """The `serializer` interface itsdangerous expects (`dumps`, `loads`); text, so that
-    itsdangerous hands out `str` tokens."""
-
-    @staticmethod
-    def dumps(value: Any) -> str:
-        return dumps(value).decode()
-
-    @staticmethod
-    def loads(payload: str | bytes) -> Any:
-        return orjson.loads(payload)
+def loads(document: bytes | str) -> Any:
+    """Parse JSON (orjson: raises a ValueError subclass for anything that is not JSON)."""
+    return orjson.loads(document)

@@ -168,7 +168,8 @@ def forge_state(codec: RequestStateCodec, caller: McpCaller, flow_id: str) -> st
 
 
 def decode_state(state: str) -> tuple[dict[str, Any], int]:
-    """(payload, issue time) of an itsdangerous URL-safe timed token, without the key."""
+    """(payload, issue time) of a state (an itsdangerous timestamped token over base64 JSON),
+    without the key."""
     payload, stamp, _signature = state.rsplit(".", 2)
     compressed = payload.startswith(".")
     raw = base64.urlsafe_b64decode(payload.lstrip(".") + "=" * (-len(payload.lstrip(".")) % 4))
@@ -368,8 +369,8 @@ async def test_c12_huge_state_is_refused_by_length_before_verifying(
     result, _, flow_id = await round_one(mcp, token)
     codec = codec_with(broker.config.signing)
     payload = decode_state(result["requestState"])[0]
-    # The codec refuses to issue an oversized state, so sign one with its serializer directly.
-    signed = codec._serializer.dumps({**payload, "d": secrets.token_urlsafe(75_000)})
+    # The codec refuses to issue an oversized state, so sign one with its signer directly.
+    signed = codec.sign({**payload, "d": secrets.token_urlsafe(75_000)})
     padded = result["requestState"] + "A" * 100_000
     log = LogWindow(broker)
 
