@@ -7,6 +7,9 @@ Two costs dominated it, and both are gone:
   event-loop turn (every line of that turn in one write), at once outside a running loop, and at
   once for WARNING and above. `logging.shutdown` flushes what is left at exit.
 - Caller lookup (a stack walk) and thread/process names, which the format never shows.
+
+`LineFormatter` also reuses the timestamp text within a second: `localtime` and `strftime` cost
+more than the rest of a line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import io
 import logging
 import os
 import sys
+import time
 from typing import TextIO
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -58,6 +62,24 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
         self.flush()
 
 
+class LineFormatter(logging.Formatter):
+    """`LOG_FORMAT`, with the date and time part of the timestamp computed once per second."""
+
+    def __init__(self) -> None:
+        super().__init__(LOG_FORMAT)
+        self._second: tuple[int, str] = (-1, "")  # replaced whole, so threads never mix parts
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        cached_second, text = self._second
+        if second != cached_second:
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (second, text)
+        return f"{text},{int(record.msecs):03d}"
+
+
 def buffered_stderr() -> TextIO:
     """stderr's descriptor behind a block buffer (Python line-buffers `sys.stderr` itself), or
     `sys.stderr` as it is when it has no descriptor (replaced by an embedding program)."""
@@ -79,5 +101,5 @@ def configure_logging(stream: TextIO | None = None) -> None:
     logging.logMultiprocessing = False
     logging._srcfile = None  # no caller lookup: the format shows no file, line or function
     handler = TurnFlushedHandler(stream if stream is not None else buffered_stderr())
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(LineFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.logsetup import LOG_FORMAT, TurnFlushedHandler, buffered_stderr
+from app.logsetup import LOG_FORMAT, LineFormatter, TurnFlushedHandler, buffered_stderr
 
 
 class CountingStream(io.StringIO):
@@ -94,3 +94,16 @@ def test_stderr_with_a_descriptor_gets_a_buffer_of_its_own(
         stream.flush()
         assert (tmp_path / "stderr.txt").read_text() == "one line\n"
         stream.close()
+
+
+@pytest.mark.parametrize("created", [1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.0005])
+def test_line_formatter_writes_what_the_standard_formatter_writes(created: float) -> None:
+    """LineFormatter only caches the timestamp's date and time: every line, including the ones
+    after the second changes, reads exactly as `logging.Formatter(LOG_FORMAT)` writes it."""
+    fast, standard = LineFormatter(), logging.Formatter(LOG_FORMAT)
+    for moment in (created - 1, created, created + 0.0004, created + 1.5):
+        record = logging.LogRecord("broker.x", logging.INFO, __file__, 1, "a %s", ("b",), None)
+        record.created = moment
+        record.msecs = (moment - int(moment)) * 1000
+
+        assert fast.format(record) == standard.format(record)
