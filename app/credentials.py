@@ -18,6 +18,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app import jsonbytes
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
@@ -143,7 +144,7 @@ def open_row(row: SealedRow, *, keys: Keyring) -> dict[str, str] | None:
     """The row's secret fields, or None (logged) when no configured key opens them."""
     principal = Principal(row.issuer, row.subject)
     try:
-        secret = json.loads(
+        secret = jsonbytes.loads(
             unseal(
                 row.sealed_credential,
                 purpose=_purpose(principal, row.provider, row.audience),

@@ -11,6 +11,7 @@ service and its own connection for the user in one statement.
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import unquote_plus
 
 from fastapi.security.utils import get_authorization_scheme_param
@@ -64,8 +65,21 @@ def _two_fields(query: str) -> dict[str, str] | None:
         name, equals, value = field.partition("=")
         if not equals:
             return None
-        values[unquote_plus(name)] = unquote_plus(value)
+        values[_unquote(name)] = _unquote(value)
     return values
+
+
+def _unquote(text: str) -> str:
+    """`unquote_plus`, skipped for text it would not change; the issuer (the same URL on most
+    requests, always percent-encoded) comes from a small cache."""
+    if "%" not in text and "+" not in text:
+        return text
+    return _cached_unquote(text) if len(text) <= MAX_QUERY_VALUE * 3 else unquote_plus(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_unquote(text: str) -> str:
+    return unquote_plus(text)
 
 
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
