@@ -110,7 +110,7 @@ def seal(plaintext: bytes, *, purpose: str, keys: Keyring) -> str:
     """Encrypt and authenticate `plaintext`, binding `purpose` as associated data."""
     key_id, key = keys.current()
     nonce = os.urandom(12)
-    box = AESGCM(key).encrypt(nonce, plaintext, f"{purpose}|{key_id}".encode())
+    box = _cipher(key).encrypt(nonce, plaintext, f"{purpose}|{key_id}".encode())
     return ".".join(("v1", key_id, b64encode(nonce), b64encode(box)))
 
 
@@ -125,9 +125,18 @@ def unseal(sealed: str, *, purpose: str, keys: Keyring) -> bytes:
         if version != "v1":
             raise InvalidSeal()
         key = keys.get(key_id)
-        return AESGCM(key).decrypt(b64decode(nonce), b64decode(box), f"{purpose}|{key_id}".encode())
+        return _cipher(key).decrypt(
+            b64decode(nonce), b64decode(box), f"{purpose}|{key_id}".encode()
+        )
     except (ValueError, KeyError, InvalidTag):
         raise InvalidSeal() from None
+
+
+@functools.lru_cache(maxsize=64)
+def _cipher(key: bytes) -> AESGCM:
+    """One AES-GCM context per key (each call then needs only its nonce): opening a credential
+    is on the credential-fetch hot path."""
+    return AESGCM(key)
 
 
 def sealed_key_id(sealed: str) -> str:
