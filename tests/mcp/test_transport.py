@@ -225,6 +225,25 @@ async def test_b7_oversized_chunked_body_is_refused(mcp: McpHttp, token_for: Any
     rpc_error(response, 413, -32600)
 
 
+async def test_b7_a_chunked_body_under_the_limit_is_read_whole(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    """B7 control: the byte counting reads every chunk of a body sent in pieces and answers it
+    like the same body sent at once."""
+    content = json.dumps(connect_body()).encode()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(content), 7):
+            yield content[start : start + 7]
+
+    base = request_headers(connect_body(), token_for(fresh_user("b7ok")))
+    response = await mcp.http.post(mcp.mcp_url, content=chunks(), headers=base)
+
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert response.status_code == 200
+    assert response.json()["result"]["resultType"] == "input_required"
+
+
 async def test_b8_wrong_content_type_is_refused(
     mcp: McpHttp, token_for: Any, db: AsyncEngine
 ) -> None:
