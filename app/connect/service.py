@@ -32,9 +32,10 @@ class TooManyOpenFlows(Exception):
     """The user already has the maximum number of unfinished connect links."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class FlowView:
-    """A flow as pages and tools may see it (no digests, no sealed values)."""
+    """A flow as pages and tools may see it (no digests, no sealed values). Slotted, not frozen,
+    like the records it is built from (app/direct/records.py): built on every MCP retry."""
 
     id: str
     principal: Principal
@@ -64,7 +65,7 @@ class FlowView:
         return self.status
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class FlowRead:
     """A flow read for its owner, with the owner's connection for the flow's provider and
     audience as the same statement found it (None: there was none)."""

@@ -3,6 +3,10 @@
 The row helpers below name the single-call statements (SQLite's `FIND_CONNECTION`, …). PostgreSQL's
 batched statements (`FIND_CONNECTIONS`, …) answer the same columns; where they lead with the
 call's position, the caller strips it before handing the row over.
+
+The records are plain slotted dataclasses, not frozen ones: a frozen dataclass's `__init__` sets
+each field through `object.__setattr__`, three times the cost, and every request builds several
+of these. Nothing mutates them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ class StoreUnavailable(ConnectionError):
     """The database cannot be reached or is overloaded (the request answers 503)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ConnectionRecord:
     """A row of `connections` as the hot paths need it (the credential still sealed)."""
 
@@ -33,7 +37,7 @@ class ConnectionRecord:
     expires_at: datetime | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FlowRecord:
     """A row of `flows` without its digests and sealed values."""
 
@@ -116,7 +120,7 @@ def flow_and_connection(
     return flow, connection_record(key, row[12:], connection_expires_at)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewFlow:
     """A flow to insert, in status `pending`."""
 
@@ -134,7 +138,7 @@ class NewFlow:
     expires_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ServiceRecord:
     name: str
     providers: str  # space-separated; empty means every provider

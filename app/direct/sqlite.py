@@ -104,7 +104,7 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return getattr(exc, "sqlite_errorcode", 0) & 0xFF in BUSY_CODES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Write:
     statement: str
     values: dict[str, Any]
