@@ -93,7 +93,8 @@ def _hkdf(key: bytes, purpose: str) -> bytes:
 
 
 def hmac_digest(key: bytes, value: str) -> str:
-    return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
+    """HMAC-SHA256 in hex (`hmac.digest`: one call into OpenSSL, no HMAC object)."""
+    return hmac.digest(key, value.encode(), "sha256").hex()
 
 
 class Digester:
