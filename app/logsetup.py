@@ -63,11 +63,21 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
 
 
 class LineFormatter(logging.Formatter):
-    """`LOG_FORMAT`, with the date and time part of the timestamp computed once per second."""
+    """`LOG_FORMAT`, with the date and time part of the timestamp computed once per second, and
+    plain records formatted without the `%`-style machinery."""
 
     def __init__(self) -> None:
         super().__init__(LOG_FORMAT)
         self._second: tuple[int, str] = (-1, "")  # replaced whole, so threads never mix parts
+
+    def format(self, record: logging.LogRecord) -> str:
+        """`LOG_FORMAT` spelled out for the plain record (no exception or stack to append); the
+        rest goes the standard way."""
+        if record.exc_info or record.exc_text or record.stack_info:
+            return super().format(record)
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record)
+        return f"{record.asctime} {record.levelname} {record.name} {record.message}"
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:

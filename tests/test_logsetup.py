@@ -107,3 +107,17 @@ def test_line_formatter_writes_what_the_standard_formatter_writes(created: float
         record.msecs = (moment - int(moment)) * 1000
 
         assert fast.format(record) == standard.format(record)
+
+
+def test_line_formatter_writes_exceptions_as_the_standard_formatter_does() -> None:
+    fast, standard = LineFormatter(), logging.Formatter(LOG_FORMAT)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        exc_info = sys.exc_info()
+    for stack in (None, "Stack (most recent call last):\n  here"):
+        record = logging.LogRecord("broker.x", logging.ERROR, __file__, 1, "failed", (), exc_info)
+        record.stack_info = stack
+
+        assert fast.format(record) == standard.format(record)
+        assert "ValueError: boom" in fast.format(record)
