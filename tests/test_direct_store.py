@@ -578,24 +578,7 @@ def sqlite_path(url: str) -> str:
 def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database: Database) -> None:
     """Every round 1 inserts a flow after counting the user's open ones: that count must not read
     a table row per flow."""
-    values = dict.fromkeys(
-        (
-            "id",
-            "issuer",
-            "subject",
-            "client_id",
-            "client_name",
-            "audience",
-            "provider",
-            "scopes",
-            "tool_name",
-            "args_digest",
-            "now",
-            "expires_at",
-            "max_open",
-        ),
-        "x",
-    )
+    values = ("x",) * 13  # INSERT_FLOW's ?1 … ?13
     with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
         plan = connection.execute("EXPLAIN QUERY PLAN " + sqlite_store.INSERT_FLOW, values)
         details = [row[3] for row in plan.fetchall()]

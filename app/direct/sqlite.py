@@ -53,14 +53,13 @@ FROM connections WHERE issuer = ? AND subject = ? AND provider = ? AND audience 
 INSERT_FLOW = """
 INSERT INTO flows (id, issuer, subject, client_id, client_name, audience, provider, scopes,
                    tool_name, args_digest, status, created_at, updated_at, expires_at)
-SELECT :id, :issuer, :subject, :client_id, :client_name, :audience, :provider, :scopes,
-       :tool_name, :args_digest, 'pending', :now, :now, :expires_at
+SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'pending', ?11, ?11, ?12
 WHERE (SELECT count(*) FROM (
          SELECT 1 FROM flows
-         WHERE issuer = :issuer AND subject = :subject
+         WHERE issuer = ?2 AND subject = ?3
            AND status IN ('pending', 'authorizing', 'exchanging')  -- OPEN_FLOW_STATUSES
-           AND expires_at > :now
-         LIMIT :max_open)) < :max_open
+           AND expires_at > ?11
+         LIMIT ?13)) < ?13
 """
 GET_FLOW_AND_CONNECTION = """
 SELECT f.id, f.issuer, f.subject, f.client_id, f.client_name, f.audience, f.provider, f.scopes,
@@ -107,7 +106,7 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
 @dataclass(slots=True)
 class _Write:
     statement: str
-    values: dict[str, Any]
+    values: tuple[Any, ...]
 
 
 def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | Exception]:
@@ -175,7 +174,7 @@ class SqliteStore:
         except sqlite3.DatabaseError as exc:  # locked, I/O, full, corrupt, not a database …
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
-    async def _write(self, statement: str, values: dict[str, Any]) -> int:
+    async def _write(self, statement: str, values: tuple[Any, ...]) -> int:
         """The row count of `statement`, committed with the other writes of this loop turn."""
         return await self._writes.submit(_Write(statement, values))
 
@@ -209,21 +208,23 @@ class SqliteStore:
         return connection_record((issuer, subject, provider, audience), row, expires_at)
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
-        values: dict[str, Any] = {
-            "id": flow.id,
-            "issuer": flow.issuer,
-            "subject": flow.subject,
-            "client_id": flow.client_id,
-            "client_name": flow.client_name,
-            "audience": flow.audience,
-            "provider": flow.provider,
-            "scopes": flow.scopes,
-            "tool_name": flow.tool_name,
-            "args_digest": flow.args_digest,
-            "now": stored_time(flow.created_at),
-            "expires_at": stored_time(flow.expires_at),
-            "max_open": max_open,
-        }
+        # Numbered parameters (INSERT_FLOW's ?1 … ?13), bound by position: binding by name
+        # looks each name up again on every execution.
+        values = (
+            flow.id,
+            flow.issuer,
+            flow.subject,
+            flow.client_id,
+            flow.client_name,
+            flow.audience,
+            flow.provider,
+            flow.scopes,
+            flow.tool_name,
+            flow.args_digest,
+            stored_time(flow.created_at),
+            stored_time(flow.expires_at),
+            max_open,
+        )
         return await self._write(INSERT_FLOW, values) == 1
 
     async def get_flow_and_connection(
