@@ -9,12 +9,14 @@ from typing import Any
 import orjson
 
 
-def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON, like `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`."""
+def dumps(value: Any, *, sort_keys: bool = False) -> bytes:
+    """Compact UTF-8 JSON, like `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`
+    (with `sort_keys`, object keys in sorted order)."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else None)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=sort_keys)
+        return text.encode()
 
 
 def loads(document: bytes | str) -> Any:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from app.auth.principal import Principal
 from app.clock import utcnow
-from app.crypto import Digester, Keyring, random_token
+from app.crypto import Digester, Keyring, hmac_digest, random_token
 from app.models import LoginSession
 
 SESSION_COOKIE = "__Host-broker_session"
@@ -100,7 +100,7 @@ class BrowserSessions:
             )
 
     def csrf_token(self, user: BrowserUser) -> str:
-        return hmac.new(self._csrf_key, user.session_id.encode(), "sha256").hexdigest()
+        return hmac_digest(self._csrf_key, user.session_id)
 
     def csrf_valid(self, user: BrowserUser, token: str | None) -> bool:
         return bool(token) and hmac.compare_digest(self.csrf_token(user), str(token))

@@ -71,7 +71,8 @@ def _two_fields(query: str) -> dict[str, str] | None:
 
 def _unquote(text: str) -> str:
     """`unquote_plus`, skipped for text it would not change; the issuer (the same URL on most
-    requests, always percent-encoded) comes from a small cache."""
+    requests, always percent-encoded) comes from a small cache. Text longer than any accepted
+    value, fully escaped, is never cached: the cache holds no attacker-sized strings."""
     if "%" not in text and "+" not in text:
         return text
     return _cached_unquote(text) if len(text) <= MAX_QUERY_VALUE * 3 else unquote_plus(text)

@@ -20,18 +20,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from itsdangerous import BadData, SignatureExpired, TimestampSigner
 from itsdangerous.encoding import base64_decode, base64_encode
 
 from app import jsonbytes
 from app.auth.principal import McpCaller
-from app.crypto import Keyring
+from app.crypto import Keyring, hmac_digest
 from app.mcp.protocol import JsonRpcError, invalid_params
 
 logger = logging.getLogger("broker.security")
@@ -52,12 +50,7 @@ class StatePayload:
 
 def arguments_digest(arguments: dict[str, Any]) -> str:
     """SHA-256 of the arguments as compact JSON with sorted keys."""
-    try:
-        canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # integers beyond 64 bits: the standard library gives the same text
-        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        canonical = text.encode()
-    return hashlib.sha256(canonical).hexdigest()
+    return hashlib.sha256(jsonbytes.dumps(arguments, sort_keys=True)).hexdigest()
 
 
 def _signer(keys: Keyring) -> TimestampSigner:
@@ -90,8 +83,8 @@ class RequestStateCodec:
         return self._macs_of(caller.principal.issuer, caller.principal.subject)
 
     def _compute_macs(self, issuer: str, subject: str) -> tuple[str, ...]:
-        who = f"{issuer}|{subject}".encode()
-        return tuple(hmac.digest(key, who, "sha256").hex()[:32] for key in self._principal_keys)
+        who = f"{issuer}|{subject}"
+        return tuple(hmac_digest(key, who)[:32] for key in self._principal_keys)
 
     def issue(
         self,
