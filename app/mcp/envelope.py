@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from app.mcp.protocol import (
     HEADER_MISMATCH,
     INVALID_PARAMS,
@@ -74,6 +76,25 @@ def _no_constants(name: str) -> Any:
 _DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
+def _decode(body: bytes) -> Any:
+    """The JSON document of `body`; duplicate keys raise `_DuplicateKey`.
+
+    Clients send compact JSON, which orjson parses and writes back byte for byte. Equal bytes
+    prove there was no duplicate key (orjson keeps one entry per key, so a duplicate would be
+    missing from its output). Anything else (spaces, escapes written differently, a duplicate,
+    a value orjson refuses) is parsed again by the standard library with the duplicate check,
+    which decides what the body is.
+    """
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if orjson.dumps(document) == body:
+            return document
+    return _DECODER.decode(body.decode("utf-8"))
+
+
 def parse_body(body: bytes) -> Message:
     """Parse one JSON-RPC message (not yet checked against headers).
 
@@ -81,7 +102,7 @@ def parse_body(body: bytes) -> Message:
         JsonRpcError: -32700 for bad JSON, -32600 for anything but a single valid request.
     """
     try:
-        document = _DECODER.decode(body.decode("utf-8"))
+        document = _decode(body)
     except _DuplicateKey:
         raise _invalid("Duplicate keys in a JSON object are not accepted") from None
     except (UnicodeDecodeError, ValueError, RecursionError):

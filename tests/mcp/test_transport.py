@@ -185,6 +185,25 @@ async def test_b6_duplicate_keys_are_an_invalid_request(
     assert await flows_of(db, user) == 0
 
 
+async def test_b6_duplicate_keys_in_compact_json_are_an_invalid_request(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine
+) -> None:
+    """B6, in the compact form real clients send (no spaces), with the duplicate nested."""
+    user = fresh_user("b6c")
+    params = connect_body()["params"]
+    meta = json.dumps(params["_meta"], separators=(",", ":"))
+    content = (
+        '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"connect_account",'
+        f'"arguments":{{"provider":"github","provider":"demo"}},"_meta":{meta}}}}}'
+    ).encode()
+    headers = {"Mcp-Method": "tools/call", "Mcp-Name": "connect_account"}
+
+    response = await post_raw(mcp, content, token_for(user), headers=headers)
+
+    rpc_error(response, 400, -32600)
+    assert await flows_of(db, user) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # B7-B8: body size and media type
 # ---------------------------------------------------------------------------------------------
