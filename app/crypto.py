@@ -92,9 +92,22 @@ def _hkdf(key: bytes, purpose: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose.encode()).derive(key)
 
 
+def hmac_sha256(key: bytes, message: bytes) -> bytes:
+    """HMAC-SHA256. The keyed state is made once per key and copied for each message
+    (`HMAC.copy`): keying OpenSSL again costs more than the digest of a short message."""
+    mac = _keyed_sha256(key).copy()
+    mac.update(message)
+    return mac.digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _keyed_sha256(key: bytes) -> hmac.HMAC:
+    return hmac.new(key, digestmod="sha256")
+
+
 def hmac_digest(key: bytes, value: str) -> str:
-    """HMAC-SHA256 in hex (`hmac.digest`: one call into OpenSSL, no HMAC object)."""
-    return hmac.digest(key, value.encode(), "sha256").hex()
+    """HMAC-SHA256 in hex."""
+    return hmac_sha256(key, value.encode()).hex()
 
 
 class Digester:
