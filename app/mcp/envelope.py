@@ -33,7 +33,7 @@ HeaderMap = Mapping[str, str]  # lower-case names; the first of repeated headers
 NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request; frozen would cost an object.__setattr__ per field
 class Message:
     """A validated request (id set) or notification (id None)."""
 
