@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
@@ -40,15 +41,37 @@ class _HttpRefusal(Exception):
         self.headers = headers or {}
 
 
+class JsonMessage(Response):
+    """A JSON response with exactly the headers Starlette's `Response` would send for it
+    (the extra ones, then content-length and content-type), built and sent without its general
+    header and background-task handling: every MCP answer is one of these."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, status: int, headers: dict[str, str] | None) -> None:
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in (headers or {}).items()
+        ]
+        self.raw_headers += (
+            (b"content-length", str(len(body)).encode()),
+            (b"content-type", b"application/json"),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.body})
+
+
 def _json(
     body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
-    return Response(
-        jsonbytes.dumps(body),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+    return JsonMessage(jsonbytes.dumps(body), status, headers)
 
 
 def _error(exc: JsonRpcError, request_id: Any = None) -> Response:
