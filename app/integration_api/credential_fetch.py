@@ -29,6 +29,7 @@ from app.errors import (
 from app.integration_api import services
 from app.integration_api.problems import InvalidServiceCredentials, problem_response
 from app.integration_api.routes import credential_for
+from app.json_message import JsonMessage
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"
@@ -107,7 +108,9 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
         view = await credential_for(
             runtime, service, provider, issuer, subject, known={(provider, service.name): own}
         )
-        response = Response(view.model_dump_json(exclude_none=True), media_type="application/json")
+        response: Response = JsonMessage(
+            view.model_dump_json(exclude_none=True).encode(), 200, None
+        )
     except BrokerError as exc:
         response = problem_response(request, exc)
     except DATABASE_ERRORS as exc:

@@ -14,11 +14,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
 from app.auth.principal import McpCaller
+from app.json_message import JsonMessage
 from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
 from app.mcp.methods import METHODS
 from app.mcp.protocol import (
@@ -39,33 +39,6 @@ class _HttpRefusal(Exception):
         self.status = status
         self.body = body
         self.headers = headers or {}
-
-
-class JsonMessage(Response):
-    """A JSON response with exactly the headers Starlette's `Response` would send for it
-    (the extra ones, then content-length and content-type), built and sent without its general
-    header and background-task handling: every MCP answer is one of these."""
-
-    media_type = "application/json"
-
-    def __init__(self, body: bytes, status: int, headers: dict[str, str] | None) -> None:
-        self.status_code = status
-        self.body = body
-        self.background = None
-        self.raw_headers = [
-            (name.lower().encode("latin-1"), value.encode("latin-1"))
-            for name, value in (headers or {}).items()
-        ]
-        self.raw_headers += (
-            (b"content-length", str(len(body)).encode()),
-            (b"content-type", b"application/json"),
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        await send({"type": "http.response.body", "body": self.body})
 
 
 def _json(

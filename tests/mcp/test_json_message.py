@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from starlette.responses import Response
 
-from app.mcp.endpoint import JsonMessage
+from app.json_message import JsonMessage
 
 BODY = b'{"jsonrpc":"2.0","id":1,"result":{}}'
 
