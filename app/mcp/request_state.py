@@ -56,7 +56,7 @@ def arguments_digest(arguments: dict[str, Any]) -> str:
     return hashlib.sha256(jsonbytes.dumps(arguments, sort_keys=True)).hexdigest()
 
 
-def signing_keys(keys: Keyring) -> tuple[bytes, ...]:
+def _state_keys(keys: Keyring) -> tuple[bytes, ...]:
     """The HMAC keys of our signing keys, active first: itsdangerous's derivation (salt SALT,
     SHA-256), as a `TimestampSigner(key, salt=SALT, digest_method=sha256)` would use them."""
     return tuple(
@@ -89,7 +89,7 @@ class _Invalid(Exception):
 
 class RequestStateCodec:
     def __init__(self, keys: Keyring, *, max_age: int) -> None:
-        self._keys = signing_keys(keys)
+        self._keys = _state_keys(keys)
         # every configured key, active first: a state issued before a rotation still verifies
         self._principal_keys = keys.derive("request-state-principal")
         self._max_age = max_age
