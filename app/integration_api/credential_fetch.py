@@ -84,13 +84,21 @@ def _cached_unquote(text: str) -> str:
     return unquote_plus(text)
 
 
+def _authorization(scope: Scope) -> str | None:
+    """The first Authorization header, as Starlette's `request.headers.get` reads it."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
-    request = Request(scope, receive)
-    runtime: Runtime = request.app.state.runtime
+    runtime: Runtime = scope["app"].state.runtime
     issuer, subject = scope[USER_KEY]
     provider = scope["path"].removeprefix(PREFIX)
     try:
-        scheme, secret = get_authorization_scheme_param(request.headers.get("authorization"))
+        scheme, secret = get_authorization_scheme_param(_authorization(scope))
         found = (
             await services.authenticate_with_own_connection(
                 runtime.direct,
@@ -112,9 +120,9 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
             view.model_dump_json(exclude_none=True).encode(), 200, None
         )
     except BrokerError as exc:
-        response = problem_response(request, exc)
+        response = problem_response(Request(scope, receive), exc)
     except DATABASE_ERRORS as exc:
-        response = await on_database_error(request, exc)
+        response = await on_database_error(Request(scope, receive), exc)
     except Exception as exc:  # a bug: answered like any other route's, and logged
-        response = await on_unexpected_error(request, exc)
+        response = await on_unexpected_error(Request(scope, receive), exc)
     await response(scope, receive, send)
