@@ -134,9 +134,8 @@ class BrokerApp(FastAPI):
 
 
 async def _mcp_asgi(scope: Scope, receive: Receive, send: Send) -> None:
-    request = Request(scope, receive)
     handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
-    response = await handler(request)
+    response = await handler(scope, receive)
     await response(scope, receive, send)
 
 

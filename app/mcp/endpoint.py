@@ -1,8 +1,9 @@
 """POST /mcp: the Streamable HTTP transport (JSON responses only; GET/DELETE answer 405).
 
 Order: Origin allow-list (403) → bearer token (401/403) → Content-Type (415) → body size (413) →
-JSON-RPC envelope (400) → headers and _meta (400) → method (404) → dispatch. A plain Starlette
-route, not a FastAPI one: this is the hot path and needs no dependency injection.
+JSON-RPC envelope (400) → headers and _meta (400) → method (404) → dispatch. Called with the
+ASGI scope and receive channel (app/main.py dispatches /mcp before FastAPI's routing): this is the
+hot path and needs no routing, request object or dependency injection.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive, Scope
 
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
@@ -56,9 +58,9 @@ def _error(exc: JsonRpcError, request_id: Any = None) -> Response:
     return _json(body, exc.http_status, exc.headers)
 
 
-async def mcp_endpoint(request: Request) -> Response:
-    runtime: Runtime = request.app.state.runtime
-    headers = header_map(request.scope["headers"])
+async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
+    runtime: Runtime = scope["app"].state.runtime
+    headers = header_map(scope["headers"])
     message: Message | None = None
     try:
         _check_origin(headers, runtime)
@@ -68,7 +70,7 @@ async def mcp_endpoint(request: Request) -> Response:
             raise _HttpRefusal(
                 415, _plain_error(INVALID_REQUEST, "Content-Type must be application/json")
             )
-        body = await _read_body(request, headers, runtime.settings.server.max_body_bytes)
+        body = await _read_body(receive, headers, runtime.settings.server.max_body_bytes)
         message = parse_body(body)
         check_message(message, headers)
         method = METHODS.get(message.method)
@@ -157,7 +159,7 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
     return caller
 
 
-async def _read_body(request: Request, headers: HeaderMap, limit: int) -> bytes:
+async def _read_body(receive: Receive, headers: HeaderMap, limit: int) -> bytes:
     declared = headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise _HttpRefusal(413, _plain_error(INVALID_REQUEST, "The request body is too large"))
@@ -166,7 +168,7 @@ async def _read_body(request: Request, headers: HeaderMap, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk: bytes = message.get("body", b"")
@@ -178,5 +180,5 @@ async def _read_body(request: Request, headers: HeaderMap, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def method_not_allowed(_request: Request) -> Response:
+async def method_not_allowed(_scope: Scope, _receive: Receive) -> Response:
     return Response(status_code=405, headers={"Allow": "POST"})
