@@ -6,7 +6,8 @@
 For each database (a fresh one, and a fresh `connect-broker serve --workers 1`), wrk (-t1) drives:
   round1        tools/call connect_account by users without a connection -> input_required (JWT
                 check + flow INSERT); one reused token per user, already in the broker's
-                verified-token cache (the realistic case)
+                verified-token cache (the realistic case); the users' open flows are expired
+                before each broker run, so no run meets the open-flow cap
   retry         the accepted retry of a completed flow -> the final CallToolResult
   round1-fresh  round1 with a never-seen token on every request (signature checked every time)
   credential    the integration API's GET /api/v1/credentials/demo?issuer=…&subject=… by a
@@ -36,7 +37,7 @@ from app.auth.bearer import CACHE_SIZE as TOKEN_CACHE_SIZE
 from app.connect.service import MAX_OPEN_FLOWS_PER_USER
 from bench.pool import PoolError, TokenMinter
 from bench.report import Row, table
-from bench.scenarios import Bench, Block, Server
+from bench.scenarios import ROUND1_USERS, Bench, Block, Server
 from bench.stack import (
     Pinning,
     StackError,
@@ -50,7 +51,7 @@ from bench.wrk import WrkError, require_wrk
 from tests.support.broker import BrokerConfig
 from tests.support.idp import IdpConfig, free_port, running_idp
 
-PEAK_RATE_GUESS = 4000  # req/s; sizes the round-1 user pool so no user nears the open-flow cap
+PEAK_RATE_GUESS = 8000  # req/s; sizes the round-1 user pool so no user nears the open-flow cap
 BUSY_LOAD = 0.5  # a 1-minute load average above this means someone else is using the CPUs
 DEMO_PROVIDER: dict[str, Any] = {
     "kind": "api_key",
@@ -100,10 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def round1_user_count(args: argparse.Namespace) -> int:
-    """Enough users that none gets near the open-flow cap at PEAK_RATE_GUESS requests/s, but no
+    """Enough users that none gets near the open-flow cap in one broker run (warm-up and measured
+    run) at PEAK_RATE_GUESS requests/s (their open flows are expired before each run), but no
     more than the broker's verified-token cache holds: round1 measures cached tokens (more users
     would cycle the cache and check a signature on every request, which is round1-fresh)."""
-    flows: int = PEAK_RATE_GUESS * (args.duration + args.warmup) * args.repeat
+    flows: int = PEAK_RATE_GUESS * (args.duration + args.warmup)
     return min(TOKEN_CACHE_SIZE, max(2000, math.ceil(flows / (MAX_OPEN_FLOWS_PER_USER // 2))))
 
 
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[list[Row], list[str]]:
     with running_idp(IdpConfig(), workdir) as idp:
         config = BrokerConfig(issuer=idp.issuer, providers={"demo": DEMO_PROVIDER})
         minter = TokenMinter(idp.signing_jwk, issuer=idp.issuer, audience=config.mcp_url)
-        round1_users = minter.mint_many("round1", 0, round1_user_count(args))
+        round1_users = minter.mint_many(ROUND1_USERS, 0, round1_user_count(args))
         print(setup_line(args, pin, len(round1_users)), flush=True)
         port = free_port()
         with running_echo(port, workdir, pin=pin) as echo:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from bench.pool import (
     RetryPreparation,
     TokenMinter,
     call_body,
+    expire_open_flows,
     flow_counts,
     prepare_credentials,
     prepare_retries,
@@ -34,6 +36,7 @@ COMPLETE = '"resultType":"complete","content"'
 ANY_RESULT = '"result"'
 CREDENTIAL = '"secret":"sk_'  # the broker's stored keys are sk_bench_…, the bare one sk_bare_…
 SERVICE = "bench-svc"
+ROUND1_USERS = "round1"  # round-1 subjects are "round1-<n>" (bench/run.py mints them)
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,15 @@ class Bench:
         bare_expect: str,
         *,
         get: bool = False,
+        before_broker: Callable[[], None] | None = None,
     ) -> Paired:
-        """--repeat pairs of runs on the same requests: the broker's, then the bare reference's."""
+        """--repeat pairs of runs on the same requests: the broker's, then the bare reference's.
+        `before_broker` runs before each broker run (its warm-up included)."""
         broker_runs: list[Measurement] = []
         bare_runs: list[Measurement] = []
         for _ in range(self.args.repeat):
+            if before_broker is not None:
+                before_broker()
             broker_runs.append(self.measure(server, pool_file, expect, get=get))
             bare_runs.append(self.measure(self.echo, pool_file, bare_expect, get=get))
         ratios = tuple(
@@ -164,9 +171,18 @@ class Block:
         asyncio.run(prime(self.broker.url, tokens))
         pool = write_pool(self._file("round1"), ((token, call_body()) for token in tokens))
         before, _ = asyncio.run(flow_counts(self.database_url))
-        paired = self.bench.paired(self.broker, pool, INPUT_REQUIRED, ANY_RESULT)
+        paired = self.bench.paired(
+            self.broker,
+            pool,
+            INPUT_REQUIRED,
+            ANY_RESULT,
+            before_broker=self._expire_round1_flows,
+        )
         self._note_flows("round1", before, len(tokens), paired.broker)
         return paired
+
+    def _expire_round1_flows(self) -> None:
+        asyncio.run(expire_open_flows(self.database_url, f"{ROUND1_USERS}-"))
 
     def round1_fresh(self, round1_rps: float) -> Measurement:
         args = self.bench.args
@@ -197,7 +213,7 @@ class Block:
         self._note(
             f"{name}: {after - before} flows created (warm-ups + runs) by {users} users; "
             f"{measured.wrk.requests} responses measured, {refused} not input_required; "
-            f"at most {most} flows for one user (cap {MAX_OPEN_FLOWS_PER_USER})"
+            f"at most {most} open flows for one user (cap {MAX_OPEN_FLOWS_PER_USER})"
             + (" <- the open-flow cap interfered" if refused else "")
         )
 
