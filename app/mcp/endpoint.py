@@ -117,15 +117,12 @@ def _check_origin(headers: HeaderMap, runtime: Runtime) -> None:
 
 
 async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
-    settings = runtime.settings
-    metadata_url = f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp"
-    required = " ".join(settings.identity.required_scopes)
     token = bearer_token(headers.get("authorization"))
     if token is None:
         raise _HttpRefusal(
             401,
             {"error": "unauthorized", "error_description": "A bearer token is required"},
-            {"WWW-Authenticate": challenge(metadata_url, scope=required)},
+            {"WWW-Authenticate": _challenge(runtime)},
         )
     try:
         caller = await runtime.verifier.verify(token)
@@ -134,7 +131,7 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
         raise _HttpRefusal(
             401,
             {"error": "invalid_token", "error_description": "The access token is invalid"},
-            {"WWW-Authenticate": challenge(metadata_url, error="invalid_token", scope=required)},
+            {"WWW-Authenticate": _challenge(runtime, error="invalid_token")},
         ) from None
     except IdpUnavailable:
         raise _HttpRefusal(
@@ -142,21 +139,30 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
             {"error": "temporarily_unavailable", "error_description": "Cannot reach the IdP"},
             {"Retry-After": "5"},
         ) from None
-    missing = set(settings.identity.required_scopes) - caller.scopes
-    if missing:
+    required = runtime.settings.identity.required_scopes
+    if required and not caller.scopes.issuperset(required):
         raise _HttpRefusal(
             403,
             {"error": "insufficient_scope", "error_description": "The token lacks a scope"},
             {
-                "WWW-Authenticate": challenge(
-                    metadata_url,
+                "WWW-Authenticate": _challenge(
+                    runtime,
                     error="insufficient_scope",
-                    scope=required,
                     description="The access token lacks a required scope",
                 )
             },
         )
     return caller
+
+
+def _challenge(runtime: Runtime, **details: str) -> str:
+    """The `WWW-Authenticate` value of a refusal: our resource metadata, the required scopes."""
+    settings = runtime.settings
+    return challenge(
+        f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp",
+        scope=" ".join(settings.identity.required_scopes),
+        **details,
+    )
 
 
 async def _read_body(receive: Receive, headers: HeaderMap, limit: int) -> bytes:
