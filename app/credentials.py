@@ -35,6 +35,7 @@ class Credential:
     secret: str = field(repr=False)
     account_label: str | None
     scopes: frozenset[str]
+    expires_at: datetime | None = None  # when an OAuth access token stops working; None: unknown
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class SealedRow(Protocol):
     def scopes(self) -> str: ...
     @property
     def account_label(self) -> str | None: ...
+    @property
+    def expires_at(self) -> datetime | None: ...
 
 
 def _purpose(principal: Principal, provider: str, audience: str) -> str:
@@ -163,6 +166,7 @@ def as_credential(row: SealedRow, secret: dict[str, str]) -> Credential:
         secret=str(secret.get("api_key") or secret.get("access_token") or ""),
         account_label=row.account_label,
         scopes=frozenset(row.scopes.split()),
+        expires_at=row.expires_at,
     )
 
 

@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -61,6 +62,7 @@ class Credential:
     secret: str = field(repr=False)
     account: str | None = None
     scopes: tuple[str, ...] = ()
+    expires_at: datetime | None = None  # when an OAuth access token stops working, if known
 
 
 class ConnectBroker:
@@ -266,6 +268,7 @@ def _credential(found: Mapping[str, Any]) -> Credential:
         secret=str(found["secret"]),
         account=found.get("account"),
         scopes=tuple(found.get("scopes") or ()),
+        expires_at=datetime.fromisoformat(found["expires_at"]) if found.get("expires_at") else None,
     )
 
 

@@ -154,6 +154,7 @@ async def usable_for(
                 secret=found.secret,
                 account=found.account_label,
                 scopes=sorted(found.scopes),
+                expires_at=found.expires_at,
             )
     return None
 

@@ -5,13 +5,19 @@ FastAPI ignores but that sends the request down the FastAPI route."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx2
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from starlette.datastructures import QueryParams
 
+from app import credentials
+from app.auth.principal import Principal
+from app.crypto import Keyring
 from app.integration_api.credential_fetch import user_query
+from connect_broker_client.broker import _credential
 
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser
@@ -118,3 +124,34 @@ async def test_fast_path_and_fastapi_route_give_the_same_answers(
         same_answer(*await both_ways(http, "demo", user, limited.secret), 403)
         other = {"issuer": "https://evil.example", "subject": user["subject"]}
         same_answer(*await both_ways(http, "demo", other, api.secret), 400)
+
+
+async def test_an_oauth_credential_carries_its_expiry_both_ways(
+    broker: BrokerProcess, api: ServiceApi, idp: IdpProcess, db: AsyncEngine
+) -> None:
+    """An OAuth access token's expiry reaches the sibling (`expires_at`), so it knows when to
+    fetch again; an API key has none (see the test above: no `expires_at` key at all)."""
+    user = {"issuer": idp.issuer, "subject": fresh_user("expiry")}
+    expires = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=2)
+    async with AsyncSession(db) as session, session.begin():
+        await credentials.store(
+            session,
+            keys=Keyring.parse(tuple(broker.config.encryption)),
+            principal=Principal(idp.issuer, user["subject"]),
+            provider="github",
+            audience=api.name,
+            secret={"access_token": "gho_expiring", "refresh_token": "ghr_expiring"},
+            scopes=frozenset({"repo"}),
+            account_label="octo",
+            expires_at=expires,
+        )
+    async with httpx2.AsyncClient(
+        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
+    ) as http:
+        fast, routed = await both_ways(http, "github", user, api.secret)
+
+    same_answer(fast, routed, 200)
+    body = fast.json()
+    assert (body["kind"], body["secret"], body["account"]) == ("oauth2", "gho_expiring", "octo")
+    assert datetime.fromisoformat(body["expires_at"]) == expires
+    assert _credential(body).expires_at == expires  # the sibling helper reads it too
