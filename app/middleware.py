@@ -20,6 +20,16 @@ _PROCESS_TAG = secrets.token_hex(4)
 _sequence = itertools.count(1)
 
 
+def first_header(scope: Scope, name: bytes) -> str | None:
+    """The first header `name` (lower-case) of an ASGI scope, as Starlette's `headers.get` reads
+    it, without building a headers object (the hot paths look up one header each)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
 class HostGuard:
     """Refuse requests whose Host is not one of ours (DNS rebinding, Host poisoning)."""
 
@@ -29,11 +39,7 @@ class HostGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            host = ""
-            for name, value in scope["headers"]:
-                if name == b"host":
-                    host = value.decode("latin-1").strip().lower()
-                    break
+            host = (first_header(scope, b"host") or "").strip().lower()
             if host not in self.allowed_hosts:
                 await _plain(send, 421, b"Misdirected request: unknown Host\n")
                 return

@@ -30,6 +30,7 @@ from app.integration_api import services
 from app.integration_api.problems import InvalidServiceCredentials, problem_response
 from app.integration_api.routes import credential_for
 from app.json_message import JsonMessage
+from app.middleware import first_header
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"
@@ -84,21 +85,12 @@ def _cached_unquote(text: str) -> str:
     return unquote_plus(text)
 
 
-def _authorization(scope: Scope) -> str | None:
-    """The first Authorization header, as Starlette's `request.headers.get` reads it."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            text: str = value.decode("latin-1")
-            return text
-    return None
-
-
 async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
     runtime: Runtime = scope["app"].state.runtime
     issuer, subject = scope[USER_KEY]
     provider = scope["path"].removeprefix(PREFIX)
     try:
-        scheme, secret = get_authorization_scheme_param(_authorization(scope))
+        scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
         found = (
             await services.authenticate_with_own_connection(
                 runtime.direct,
