@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import McpHttp, request_body, request_headers
 from ..support.idp import (
     IdpProcess,
@@ -496,6 +496,7 @@ async def test_a9_token_in_the_query_string_is_refused_and_not_logged(
     """A9. MCP auth: tokens MUST NOT travel in the URI; the access log drops query strings."""
     token = token_for(fresh_user("a9"))
     body = request_body("server/discover")
+    window = LogWindow(broker)
 
     response = await mcp.http.post(
         f"{broker.mcp_url}?access_token={token}",
@@ -506,7 +507,7 @@ async def test_a9_token_in_the_query_string_is_refused_and_not_logged(
     assert response.status_code == 401
     assert "error" not in challenge_params(response)
     assert token not in response.text
-    log = broker.log()
+    log = await window.wait_for("POST /mcp 401")
     assert "POST /mcp 401" in log
     assert token not in log
 

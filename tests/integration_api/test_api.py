@@ -31,7 +31,7 @@ from app.mcp.request_state import RequestStateCodec
 from app.models import Flow
 
 from ..conftest import count_rows, flow_row
-from ..support.broker import BrokerProcess, cli
+from ..support.broker import BrokerProcess, LogWindow, cli
 from ..support.clients import URL_CAPS, Browser
 from ..support.fake_github import FakeGitHub
 from ..support.idp import IdpProcess
@@ -223,17 +223,6 @@ async def snapshot(db: AsyncEngine, *subjects: str) -> list[list[dict[str, Any]]
             )
             tables.append([dict(row) for row in rows.mappings()])
     return tables
-
-
-class LogWindow:
-    """The broker log lines written after this point."""
-
-    def __init__(self, broker: BrokerProcess) -> None:
-        self._broker = broker
-        self._start = len(broker.log())
-
-    def text(self) -> str:
-        return self._broker.log()[self._start :]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.idp import (
     IdpConfig,
@@ -75,7 +75,6 @@ from ..support.idp import (
 from ..support.schema import validate_response
 from .test_api import (
     API_KEY,
-    LogWindow,
     Registered,
     ServiceApi,
     connect_demo,

@@ -18,10 +18,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows
-from ..support.broker import BrokerProcess, cli
+from ..support.broker import BrokerProcess, LogWindow, cli
 from ..support.idp import IdpProcess
 from .test_api import (
-    LogWindow,
     Registered,
     ServiceApi,
     fresh_name,

@@ -33,7 +33,7 @@ from app.mcp.request_state import RequestStateCodec, arguments_digest
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
     IdpConfig,
@@ -134,17 +134,6 @@ async def snapshot(db: AsyncEngine, user: str) -> tuple[list[dict[str, Any]], ..
             )
             tables.append([dict(row) for row in rows.mappings()])
     return tuple(tables)
-
-
-class LogWindow:
-    """The broker log lines written after this point."""
-
-    def __init__(self, broker: BrokerProcess) -> None:
-        self._broker = broker
-        self._start = len(broker.log())
-
-    def text(self) -> str:
-        return self._broker.log()[self._start :]
 
 
 def codec_with(signing_keys: list[str]) -> RequestStateCodec:

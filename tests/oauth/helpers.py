@@ -22,7 +22,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.clock import utcnow
 from app.models import Connection, Flow
 
-from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.schema import validate_response
 
@@ -127,17 +126,6 @@ async def expire(db: AsyncEngine, flow_id: str) -> None:
             .where(Flow.id == flow_id)
             .values(expires_at=utcnow() - timedelta(minutes=1))
         )
-
-
-class LogWindow:
-    """The broker log lines written since the window was opened."""
-
-    def __init__(self, broker: BrokerProcess) -> None:
-        self._broker = broker
-        self._offset = len(broker.log())
-
-    def text(self) -> str:
-        return self._broker.log()[self._offset :]
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows
-from ..support.broker import BrokerProcess
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
 from ..support.idp import IdpProcess
 from ..support.schema import validate_response
 from .helpers import (
-    LogWindow,
     approve_at_provider,
     arm,
     callback_url,

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import count_rows, flow_row, github_provider
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub, TokenFault
 from ..support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
@@ -34,7 +34,6 @@ from .flows import (
     return_to_broker,
     tool_result,
 )
-from .helpers import LogWindow
 from .helpers import unique as fresh_user
 
 DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
-from ..support.broker import BrokerConfig, BrokerProcess, database_kind
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, database_kind
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
 from ..support.idp import free_port
@@ -37,7 +37,7 @@ from .flows import (
     return_to_broker,
     tool_result,
 )
-from .helpers import LogWindow, connection_row
+from .helpers import connection_row
 from .helpers import unique as fresh_user
 
 CALLS_PER_PROCESS = 4
@@ -314,7 +314,8 @@ async def test_concurrent_calls_on_every_process_refresh_upstream_exactly_once(
     assert len(responses) == CALLS_PER_PROCESS * len(processes)
     assert [tool_result(r)["structuredContent"] for r in responses] == [PROFILE] * len(responses)
     assert fake_github.refresh_calls == 1
-    assert [log.text().count("POST /mcp 200") for log in logs] == [CALLS_PER_PROCESS] * len(logs)
+    logged = [await log.wait_for("POST /mcp 200", CALLS_PER_PROCESS) for log in logs]
+    assert [text.count("POST /mcp 200") for text in logged] == [CALLS_PER_PROCESS] * len(logs)
 
 
 # ------------------------------------------------------------------------------------------------

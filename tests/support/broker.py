@@ -185,6 +185,28 @@ class BrokerProcess:
                 self.process.wait(5)
 
 
+class LogWindow:
+    """The broker log lines written after this point.
+
+    The access line of a request is written after its response has been sent, so a test that
+    counts access lines waits for them with `wait_for` rather than reading at once.
+    """
+
+    def __init__(self, broker: BrokerProcess) -> None:
+        self._broker = broker
+        self._start = len(broker.log())
+
+    def text(self) -> str:
+        return self._broker.log()[self._start :]
+
+    async def wait_for(self, needle: str, count: int = 1, timeout: float = 5.0) -> str:
+        """The window's text once it holds `needle` at least `count` times (or at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while (logged := self.text()).count(needle) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return logged
+
+
 def cli(
     *args: str, config_path: Path, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
