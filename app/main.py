@@ -51,6 +51,9 @@ from app.runtime import Runtime
 logger = logging.getLogger("broker")
 
 PURGE_INTERVAL_SECONDS = 60
+LIVENESS_PATH = "/healthz"
+READINESS_PATH = "/readyz"
+PROBE_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH})  # answered whatever the Host header
 
 
 def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
@@ -184,8 +187,8 @@ def create_app(
         "/.well-known/oauth-protected-resource/mcp",
     ):
         app.add_api_route(path, _resource_metadata, include_in_schema=False)
-    app.add_api_route("/healthz", _healthz, include_in_schema=False)
-    app.add_api_route("/readyz", _readyz, include_in_schema=False)
+    app.add_api_route(LIVENESS_PATH, _healthz, include_in_schema=False)
+    app.add_api_route(READINESS_PATH, _readyz, include_in_schema=False)
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.include_router(login.router)
     app.include_router(pages.router)
@@ -199,7 +202,7 @@ def create_app(
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)
     hosts = allowed_hosts(settings)
-    app.add_middleware(HostGuard, allowed_hosts=hosts)
+    app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=PROBE_PATHS)
     app.add_middleware(AccessLog)
     app.mcp_stack = AccessLog(HostGuard(_mcp_asgi, allowed_hosts=hosts))
     app.credential_stack = AccessLog(

@@ -31,16 +31,27 @@ def first_header(scope: Scope, name: bytes) -> str | None:
 
 
 class HostGuard:
-    """Refuse requests whose Host is not one of ours (DNS rebinding, Host poisoning)."""
+    """Refuse requests whose Host is not one of ours (DNS rebinding, Host poisoning).
 
-    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str]) -> None:
+    `any_host_paths` answer whatever the Host: health probes (a container's HEALTHCHECK, a
+    Kubernetes probe) address the process by its own IP and port, not by the public name, and
+    the probes reveal nothing a rebinding page could use.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        allowed_hosts: frozenset[str],
+        any_host_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
+        self.any_host_paths = any_host_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             host = (first_header(scope, b"host") or "").strip().lower()
-            if host not in self.allowed_hosts:
+            if host not in self.allowed_hosts and scope["path"] not in self.any_host_paths:
                 await _plain(send, 421, b"Misdirected request: unknown Host\n")
                 return
         await self.app(scope, receive, send)

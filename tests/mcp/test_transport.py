@@ -498,6 +498,25 @@ async def test_b19_foreign_host_is_refused(
     assert await flows_of(db, user) == 0
 
 
+async def test_b19_health_probes_answer_any_host_and_nothing_else_does(
+    mcp: McpHttp, broker: BrokerProcess
+) -> None:
+    """B19. A container HEALTHCHECK or a Kubernetes probe addresses the process by its own IP and
+    port: /healthz and /readyz answer whatever the Host; every other page still refuses it."""
+    probe_host = {"Host": "10.1.2.3:8000"}
+
+    health = await mcp.http.get(f"{broker.url}/healthz", headers=probe_host)
+    ready = await mcp.http.get(f"{broker.url}/readyz", headers=probe_host)
+    metadata = await mcp.http.get(
+        f"{broker.url}/.well-known/oauth-protected-resource/mcp", headers=probe_host
+    )
+    login = await mcp.http.get(f"{broker.url}/login", headers=probe_host)
+    page = await mcp.http.get(f"{broker.url}/healthz/../connections", headers=probe_host)
+
+    assert (health.status_code, ready.status_code) == (200, 200)
+    assert [metadata.status_code, login.status_code, page.status_code] == [421, 421, 421]
+
+
 async def test_b19_forwarded_host_does_not_reach_the_elicitation_url(
     mcp: McpHttp, token_for: Any, broker: BrokerProcess
 ) -> None:
