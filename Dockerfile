@@ -9,7 +9,9 @@ COPY migrations ./migrations
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --home-dir /srv broker
+# /srv/data: where the default SQLite database (sqlite:///./data/broker.db) is created
+RUN useradd --system --uid 10001 --home-dir /srv broker \
+    && install -d -o broker -g broker -m 0700 /srv/data
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 USER broker
