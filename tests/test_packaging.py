@@ -25,9 +25,10 @@ def build_stage_copies(dockerfile: str) -> list[tuple[list[str], str]]:
     copies: list[tuple[list[str], str]] = []
     stages = 0
     for line in dockerfile.splitlines():
+        instruction = line.split(maxsplit=1)[0].upper() if line.strip() else ""
+        if instruction not in ("FROM", "COPY"):
+            continue  # RUN lines may continue with a backslash, which shlex would refuse
         words = shlex.split(line, comments=True)
-        if not words:
-            continue
         if words[0].upper() == "FROM":
             stages += 1
             if stages > 1:
@@ -67,7 +68,8 @@ def build_context(root: Path, target: Path) -> None:
 
 def test_build_stage_copies_are_read_from_the_dockerfile() -> None:
     copies = build_stage_copies(
-        "FROM base AS build\nCOPY a.toml b.md ./\nCOPY pkg ./pkg  # the code\n"
+        "FROM base AS build\nCOPY a.toml b.md ./\nRUN make \\\n    && check\n"
+        "COPY pkg ./pkg  # the code\n"
         "RUN pip wheel .\nFROM base\nCOPY --from=build /wheels /wheels\nCOPY late ./late\n"
     )
     assert copies == [(["a.toml", "b.md"], "./"), (["pkg"], "./pkg")]
