@@ -126,7 +126,25 @@ def table(rows: list[Row]) -> str:
     text += [_line(line, widths) for line in lines[1:]]
     text += [f"target ({', '.join(names)}): {target}" for target, names in _targets(rows).items()]
     text.append("[bracketed]: informational only (round1-fresh is the worst case, not a target)")
+    text += slow_reference_notes(rows)
     return "\n".join(text)
+
+
+def slow_reference_notes(rows: list[Row]) -> list[str]:
+    """A p99 bound is absolute, so a slow machine can miss it whatever the broker does: say so
+    when the bare reference itself, serving the same requests, is over the bound."""
+    notes: dict[str, None] = {}
+    for row in rows:
+        if row.bare is None or not row.targeted:
+            continue
+        bare_p99 = row.bare.wrk.p99_ms
+        if bare_p99 > row.target.p99_ms:
+            notes[
+                f"NOTE: [{row.db}] the bare reference for {row.scenario} has p99 {bare_p99:.2f} ms,"
+                f" over the {row.target.p99_ms:.0f} ms bound itself: this machine cannot show"
+                " that bound"
+            ] = None
+    return list(notes)
 
 
 def _targets(rows: list[Row]) -> dict[Target, list[str]]:
