@@ -753,7 +753,7 @@ async def test_k4_tampered_or_rebound_request_state_is_a_400_problem_and_changes
     assert API_KEY not in response.text
     assert await snapshot(db, user["subject"], other_user["subject"]) == before
     assert (await flow_row(db, flow_id) or {})["status"] == "completed"
-    logged = log.text()
+    logged = await log.wait_for(f"request_state.invalid reason={STATE_ATTACKS[attack]}")
     assert f"request_state.invalid reason={STATE_ATTACKS[attack]}" in logged
     assert state not in logged
 

@@ -283,7 +283,7 @@ async def test_k3_a_flow_for_an_asserted_user_completes_only_in_that_users_brows
     assert refused.status_code == 403
     assert "different account" in refused.text
     assert 'name="api_key"' not in refused.text
-    assert "connect.identity_mismatch" in log.text()
+    assert await log.shows("connect.identity_mismatch")
     assert untouched["status"] == "pending"
     assert connected(resumed)["secret"] == API_KEY
 

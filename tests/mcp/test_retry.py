@@ -206,7 +206,7 @@ async def test_c1_tampered_state_is_refused_without_running_the_tool(
     assert error["data"] == {"reason": "invalid"}
     assert await snapshot(db, user) == before
     assert (await flow_row(db, flow_id) or {})["status"] == "completed"  # not consumed: no run
-    logged = log.text()
+    logged = await log.wait_for("request_state.invalid reason=invalid")
     assert "request_state.invalid reason=invalid" in logged
     assert state.rsplit(".", 1)[1] not in logged
     assert forged not in logged

@@ -119,7 +119,7 @@ async def test_e3_t2_forwarded_authorize_url_is_refused_and_stays_usable_by_its_
     assert await github_connections(db, attacker, victim) == 0
     assert await flow_of(db, armed.flow_id) == before
     assert before["status"] == "authorizing"
-    assert f"callback.session_mismatch flow_id={armed.flow_id}" in log.text()
+    assert await log.shows(f"callback.session_mismatch flow_id={armed.flow_id}")
 
     own = await deliver(browser, await approve_at_provider(browser.http, armed.authorize_url))
 
@@ -198,7 +198,8 @@ async def test_e6_parallel_identical_callbacks_exchange_once(
     assert fake.token_calls == 1
     assert await github_connections(db, user) == 1
     assert (await flow_of(db, armed.flow_id))["status"] == "completed"
-    assert log.text().count(f"credential.stored flow_id={armed.flow_id}") == 1
+    stored = f"credential.stored flow_id={armed.flow_id}"
+    assert (await log.wait_for(stored)).count(stored) == 1
 
 
 async def test_e7_user_denying_at_the_provider_declines_the_flow(
@@ -284,7 +285,7 @@ async def test_e9_t12_state_delivered_to_another_providers_callback_is_refused(
     assert response.status_code == 400
     assert fake.token_calls == 0
     assert await flow_of(db, armed.flow_id) == before
-    assert "callback.refused reason=provider_mismatch" in log.text()
+    assert await log.shows("callback.refused reason=provider_mismatch")
 
 
 async def test_e10_callback_after_the_flow_expired_is_refused(
@@ -308,7 +309,7 @@ async def test_e10_callback_after_the_flow_expired_is_refused(
     assert "expired" in response.text
     assert fake.token_calls == 0
     assert await github_connections(db, user) == 0
-    assert "callback.refused reason=expired" in log.text()
+    assert await log.shows("callback.refused reason=expired")
 
 
 async def test_e11_code_and_error_together_are_refused(
@@ -351,7 +352,7 @@ async def test_e12_oversized_code_or_state_is_refused(
     assert response.status_code == 400
     assert fake.token_calls == 0
     assert await flow_of(db, armed.flow_id) == before
-    assert "callback.refused reason=oversized" in log.text()
+    assert await log.shows("callback.refused reason=oversized")
     assert OVERSIZED not in response.text + log.text()
 
 
@@ -424,7 +425,7 @@ async def test_e14_oidc_callback_with_a_foreign_issuer_is_refused(
     assert response.status_code == 400
     assert await flow_of(db, armed.flow_id) == before
     assert before["status"] == "authorizing"
-    assert "callback.refused reason=issuer_mismatch" in log.text()
+    assert await log.shows("callback.refused reason=issuer_mismatch")
 
 
 async def test_e15_t13_successful_callback_leaves_no_code_or_state_behind(
@@ -451,7 +452,7 @@ async def test_e15_t13_successful_callback_leaves_no_code_or_state_behind(
     assert "GitHub is connected" in page.text
     assert code not in page.text and state not in page.text
     assert fake.token_calls == 1
-    logged = broker.log()
+    logged = await broker.wait_for_log(f"credential.stored flow_id={armed.flow_id}")
     assert f"credential.stored flow_id={armed.flow_id}" in logged
     assert code not in logged
     assert state not in logged
@@ -487,7 +488,7 @@ async def test_t1_another_account_opening_the_link_never_reaches_the_provider(
     assert fake.authorize_hits == 0
     assert await flow_of(db, opened.flow_id) == before
     assert before["status"] == "pending"
-    assert f"connect.identity_mismatch flow_id={opened.flow_id}" in log.text()
+    assert await log.shows(f"connect.identity_mismatch flow_id={opened.flow_id}")
 
 
 async def test_t3_code_minted_for_another_pkce_challenge_is_rejected_and_nothing_stored(

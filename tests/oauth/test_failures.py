@@ -97,7 +97,7 @@ async def test_f1_token_endpoint_500_fails_once_and_a_new_start_completes_the_fl
     assert token_calls == 1
     assert page.status_code == 200
     assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
-    assert f"token_exchange.failed flow_id={flow_id} reason=token_status_500" in log.text()
+    assert await log.shows(f"token_exchange.failed flow_id={flow_id} reason=token_status_500")
     assert fake_github.authorize_requests[-1]["state"] != first_state
     assert again.status_code == 303
     assert "Connected as <strong>@octocat</strong>" in done.text
@@ -131,7 +131,7 @@ async def test_f4_malformed_token_response_fails_and_only_its_type_and_length_ar
     assert callback.status_code == 303
     await assert_nothing_stored(db, flow_id, user, reason="malformed_response")
     assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
-    logged = log.text()
+    logged = await log.wait_for(f"oauth.response status=200 type={content_type} bytes=")
     assert re.search(rf"oauth\.response status=200 type={content_type} bytes=[1-9]\d*\n", logged)
     assert "Unicorn" not in logged and "gho_CANARYTOKEN" not in logged
     assert '{"access_token"' not in logged
@@ -170,7 +170,7 @@ async def test_f5_code_refused_in_a_200_body_fails_the_exchange(
     assert fake_github.token_calls == 2
     await assert_nothing_stored(db, flow_id, user, reason="provider_error:bad_verification_code")
     assert TRY_AGAIN in page.text
-    assert "reason=provider_error:bad_verification_code" in log.text()
+    assert await log.shows("reason=provider_error:bad_verification_code")
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ async def test_f7_huge_token_response_is_cut_off_at_the_size_cap(
 
     assert callback.status_code == 303
     await assert_nothing_stored(db, flow_id, user, reason="response_too_large")
-    assert f"token_exchange.failed flow_id={flow_id} reason=response_too_large" in log.text()
+    assert await log.shows(f"token_exchange.failed flow_id={flow_id} reason=response_too_large")
     assert "xxxxxxxx" not in log.text()
 
 
@@ -245,8 +245,8 @@ async def test_f8_redirect_to_the_metadata_address_is_not_followed(
     assert callback.status_code == 303
     assert elapsed < SLACK_SECONDS
     await assert_nothing_stored(db, flow_id, user, reason="redirect_302")
-    assert "oauth.response status=302" in log.text()
-    assert f"token_exchange.failed flow_id={flow_id} reason=redirect_302" in log.text()
+    assert await log.shows("oauth.response status=302")
+    assert await log.shows(f"token_exchange.failed flow_id={flow_id} reason=redirect_302")
     assert "169.254.169.254" not in log.text()
 
 
@@ -281,9 +281,8 @@ async def test_f9_failed_profile_call_keeps_the_connection_without_a_name(
     assert callback.status_code == 303
     assert fake_github.user_calls == 1
     assert "GitHub is connected" in page.text and "Connected as" not in page.text
-    assert (
+    assert await log.shows(
         "WARNING broker.providers oauth.account_label_failed provider=GitHub reason=status_500"
-        in (log.text())
     )
     assert tool_result(retry)["structuredContent"] == {
         "provider": "github",
@@ -387,7 +386,7 @@ async def test_f2_f3_slow_token_endpoint_is_abandoned_at_the_total_deadline(
     assert DEADLINE_SECONDS <= elapsed < DEADLINE_SECONDS + SLACK_SECONDS
     await assert_nothing_stored(clients.db, flow_id, user, reason="timeout")
     assert TOO_SLOW in page.text and CONTINUE_BUTTON in page.text
-    assert f"token_exchange.failed flow_id={flow_id} reason=timeout" in log.text()
+    assert await log.shows(f"token_exchange.failed flow_id={flow_id} reason=timeout")
 
 
 async def test_f10_unreachable_authorize_endpoint_still_gets_a_303_and_the_flow_waits(

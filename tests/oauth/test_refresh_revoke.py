@@ -217,7 +217,7 @@ async def test_refresh_refused_by_the_provider_needs_reauth_and_elicits_a_new_fl
     assert input_required(whoami).key == "connect_github"
     assert fake_github.refresh_calls == 1
     assert status_after_refusal == "needs_reauth"
-    assert "credential.refresh_rejected provider=github" in log.text()
+    assert await log.shows("credential.refresh_rejected provider=github")
     assert again.flow_id not in (first_flow, input_required(whoami).flow_id)
     assert (await connection_row(db, user))["status"] == "active"
     assert tool_result(await mcp.call_tool(token, "github_whoami"))["structuredContent"] == PROFILE

@@ -156,6 +156,9 @@ class BrokerConfig:
         return "\n".join(lines) + "\n"
 
 
+LOG_WAIT_SECONDS = 5.0  # how long a test waits for an expected broker log line
+
+
 @dataclass
 class BrokerProcess:
     config: BrokerConfig
@@ -175,6 +178,19 @@ class BrokerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    async def wait_for_log(self, needle: str, count: int = 1, *, since: int = 0) -> str:
+        """The log from offset `since`, once it holds `needle` at least `count` times (or after
+        LOG_WAIT_SECONDS). The broker writes its lines at the end of an event-loop turn, and a
+        request's access line after its response, so a test holding the response can be ahead
+        of the file; reading at once would be a race."""
+        deadline = time.monotonic() + LOG_WAIT_SECONDS
+        while (text := self.log()[since:]).count(needle) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return text
+
+    async def log_shows(self, needle: str) -> bool:
+        return needle in await self.wait_for_log(needle)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -186,11 +202,8 @@ class BrokerProcess:
 
 
 class LogWindow:
-    """The broker log lines written after this point.
-
-    The access line of a request is written after its response has been sent, so a test that
-    counts access lines waits for them with `wait_for` rather than reading at once.
-    """
+    """The broker log lines written after this point. What a test expects to find is waited for
+    (`wait_for`, `shows`; see `BrokerProcess.wait_for_log`); `text` is for what must be absent."""
 
     def __init__(self, broker: BrokerProcess) -> None:
         self._broker = broker
@@ -199,12 +212,11 @@ class LogWindow:
     def text(self) -> str:
         return self._broker.log()[self._start :]
 
-    async def wait_for(self, needle: str, count: int = 1, timeout: float = 5.0) -> str:
-        """The window's text once it holds `needle` at least `count` times (or at the timeout)."""
-        deadline = time.monotonic() + timeout
-        while (logged := self.text()).count(needle) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        return logged
+    async def wait_for(self, needle: str, count: int = 1) -> str:
+        return await self._broker.wait_for_log(needle, count, since=self._start)
+
+    async def shows(self, needle: str) -> bool:
+        return needle in await self.wait_for(needle)
 
 
 def cli(
