@@ -66,6 +66,25 @@ def build_context(root: Path, target: Path) -> None:
                 shutil.copy2(origin, placed)
 
 
+def run_installed(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python *args` from the unpacked wheel at `site`, in its parent directory (away from the
+    checkout) with the database `image.db` there, as the image's command would run."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
+        "PYTHONPATH": str(site),
+        "BROKER_DATABASE_URL": f"sqlite:///{site.parent / 'image.db'}",
+    }
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=site.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_build_stage_copies_are_read_from_the_dockerfile() -> None:
     copies = build_stage_copies(
         "FROM base AS build\nCOPY a.toml b.md ./\nRUN make \\\n    && check\n"
@@ -113,39 +132,17 @@ def test_the_image_build_stage_context_builds_a_complete_wheel(tmp_path: Path) -
     [entry_points] = site.glob("connect_broker-*.dist-info/entry_points.txt")
     assert "connect-broker = app.cli:main" in entry_points.read_text()
 
-    # Run from the unpacked wheel, away from the checkout, as the image's command would.
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
-        "PYTHONPATH": str(site),
-        "BROKER_DATABASE_URL": f"sqlite:///{tmp_path / 'image.db'}",
-    }
-    where = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import app, connect_broker_client; from app.templating import _environment as e;"
-            "e.get_template('connect/api_key.html');"
-            "print(app.__file__); print(connect_broker_client.__file__)",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    where = run_installed(
+        site,
+        "-c",
+        "import app, connect_broker_client; from app.templating import _environment as e;"
+        "e.get_template('connect/api_key.html');"
+        "print(app.__file__); print(connect_broker_client.__file__)",
     )
     assert where.returncode == 0, where.stderr[-2000:]
     assert all(Path(line).is_relative_to(site) for line in where.stdout.split())
 
-    migrated = subprocess.run(
-        [sys.executable, "-m", "app.cli", "migrate"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    migrated = run_installed(site, "-m", "app.cli", "migrate")
     assert migrated.returncode == 0, migrated.stderr[-2000:]
     assert migrated.stdout.strip() == "database schema is current"
     with sqlite3.connect(tmp_path / "image.db") as database:
