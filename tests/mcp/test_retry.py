@@ -23,9 +23,10 @@ from typing import Any
 import httpx2
 import pytest
 import time_machine
-from sqlalchemy import text, update
+from sqlalchemy import event, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from app.auth.browser import BrowserSessions
 from app.auth.principal import McpCaller, Principal
 from app.connect.service import purge
 from app.crypto import Keyring, generate_key
@@ -772,6 +773,74 @@ async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_s
 
     assert deleted >= 1001
     assert await count_rows(db, "flows", subject=subject) == 0
+
+
+async def test_j7_sweeper_statements_are_served_by_indexes(db: AsyncEngine) -> None:
+    """J7 at volume: the sweeper runs every minute over a table holding a day of flows, so none
+    of its statements may read a whole table or a whole index. Each statement it sends is
+    explained on the same database: SQLite must SEARCH (an index entered by its leading column),
+    never SCAN; PostgreSQL, told to avoid sequential scans, must use indexes whose leading column
+    is in the index condition (a condition on a later column alone reads the whole index)."""
+    sent: list[tuple[str, Any]] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        sent.append((statement, parameters))
+
+    sessions = BrowserSessions(
+        Keyring.parse((generate_key("k1"),)), ttl_seconds=600, max_auth_age_seconds=600
+    )
+    event.listen(db.sync_engine, "before_cursor_execute", record)
+    try:
+        async with AsyncSession(db) as session, session.begin():
+            await purge(session)
+            await sessions.purge(session)
+    finally:
+        event.remove(db.sync_engine, "before_cursor_execute", record)
+    writes = [
+        (sql, params) for sql, params in sent if sql.lstrip().startswith(("UPDATE", "DELETE"))
+    ]
+    assert len(writes) == 4, sent
+
+    async with db.begin() as connection:
+        if db.dialect.name == "postgresql":
+            await connection.exec_driver_sql("SET LOCAL enable_seqscan = off")
+            for sql, params in writes:
+                plan = await connection.exec_driver_sql("EXPLAIN (FORMAT JSON) " + sql, params)
+                document = plan.scalar_one()  # the driver decodes the json column itself
+                scans = list(_pg_scans(document[0]["Plan"]))
+                assert scans, (sql, plan)
+                for node in scans:
+                    assert node["Node Type"] != "Seq Scan", (sql, node)
+                    leading = await _pg_leading_column(connection, node["Index Name"])
+                    assert re.search(rf"\b{leading}\b", node.get("Index Cond", "")), (sql, node)
+        else:
+            for sql, params in writes:
+                steps = [
+                    row[-1]
+                    for row in await connection.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)
+                ]
+                assert steps and all(step.startswith("SEARCH ") for step in steps), (sql, steps)
+
+
+def _pg_scans(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The plan nodes that read a table or an index."""
+    if node["Node Type"] == "Seq Scan" or "Index Name" in node:
+        yield node
+    for child in node.get("Plans", []):
+        yield from _pg_scans(child)
+
+
+async def _pg_leading_column(connection: Any, index: str) -> str:
+    return str(
+        await connection.scalar(
+            text(
+                "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]"
+                " WHERE c.relname = :name"
+            ),
+            {"name": index},
+        )
+    )
 
 
 async def test_j7_retry_of_a_swept_flow_gets_an_expired_result(
