@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -88,40 +87,10 @@ async def broker_behind_proxy(
                 broker.config_path.read_text().replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
             )
             broker.stop()
-            restarted = await asyncio.to_thread(_restart, broker)
-            yield restarted, proxy
+            await asyncio.to_thread(broker.restart)
+            yield broker, proxy
         else:
             yield broker, None
-
-
-def _restart(broker: BrokerProcess) -> BrokerProcess:
-    import subprocess
-    import sys
-    import time
-
-    with broker.log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "--config",
-                str(broker.config_path),
-                "serve",
-                "--port",
-                str(broker.config.port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    broker.process = process
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(f"{broker.url}/healthz", timeout=1).status_code == 200:
-                return broker
-        time.sleep(0.1)
-    raise RuntimeError(broker.log())
 
 
 async def _take_database_away(broker: BrokerProcess, proxy: TcpProxy | None) -> None:

@@ -191,6 +191,30 @@ class BrokerProcess:
     async def log_shows(self, needle: str) -> bool:
         return needle in await self.wait_for_log(needle)
 
+    def wait_until_serving(self) -> None:
+        """Return once /healthz answers; a process that exits or never answers is an error."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"broker exited: {self.log()}")
+            with contextlib.suppress(httpx2.HTTPError):
+                if httpx2.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"broker did not start: {self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown work, as in a crash or an OOM kill."""
+        self.process.kill()
+        self.process.wait(5)
+
+    def restart(self) -> None:
+        """Serve again from the same config and database (after `stop` or `kill`); the log file
+        goes on, so offsets taken before stay valid."""
+        self.process = _serve(self.config, self.config_path, self.log_path)
+        self.wait_until_serving()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -241,8 +265,18 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
     if migrated.returncode != 0:
         raise RuntimeError(f"migrate failed: {migrated.stderr}")
     log_path = workdir / f"{name}-{config.port}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
+    log_path.write_bytes(b"")
+    broker = BrokerProcess(
+        config, config_path, log_path, database_url, _serve(config, config_path, log_path)
+    )
+    broker.wait_until_serving()
+    return broker
+
+
+def _serve(config: BrokerConfig, config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`connect-broker serve` on the config's port, its output appended to the log."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -256,17 +290,6 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    broker = BrokerProcess(config, config_path, log_path, database_url, process)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"broker exited: {broker.log()}")
-        with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(f"{config.public_url}/healthz", timeout=1).status_code == 200:
-                return broker
-        time.sleep(0.1)
-    broker.stop()
-    raise RuntimeError(f"broker did not start: {broker.log()}")
 
 
 @contextlib.contextmanager
