@@ -1,35 +1,75 @@
 """J6: the broker killed with SIGKILL mid-flow and started again on the same configuration and
-database (SECURITY.md §J).
+database (SECURITY.md §J), in each state a flow waits in: pending and completed (an API key),
+authorizing and exchanging (OAuth).
 
 A flow's state lives in the database, and what the client and the browser hold was derived from
 the configured keys: the client's requestState, the browser's session cookie and the form's CSRF
 token issued before the crash all still verify after it, and the flow finishes as if nothing had
-happened. Killed, not stopped: no shutdown work may be needed for this.
+happened. An exchange cut short is handed back to the user once its lease runs out. Killed, not
+stopped: no shutdown work may be needed for any of this.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import httpx2
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from app.clock import utcnow
+from app.connect.service import EXCHANGE_LEASE, purge
 from app.db import create_engine
+from app.models import Flow
 
-from ..conftest import DEMO_PROVIDER, flow_row
+from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..connect import Stack, dedicated_stack, unique
+from ..oauth.helpers import approve_at_provider, arm, deliver, start_at_broker
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
+from ..support.fake_github import FakeGitHub
 from ..support.schema import validate_response
 from .test_retry import API_KEY, retry, round_one, tool_result
 
+GITHUB = {"provider": "github"}
+CLAIM_SECONDS = 10.0  # callback delivered to the flow seen `exchanging`; takes milliseconds
+
 
 @pytest.fixture(scope="module")
-def stack(workdir: Path) -> Iterator[Stack]:
-    with dedicated_stack(workdir, "restart", providers={"demo": DEMO_PROVIDER}) as stack:
-        yield stack
+def stack(workdir: Path) -> Iterator[tuple[Stack, FakeGitHub]]:
+    """A broker of its own (it gets killed) with `demo` and a GitHub of its own."""
+    with FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake:
+        providers = {"demo": DEMO_PROVIDER, "github": github_provider(fake)}
+        with dedicated_stack(workdir, "restart", providers=providers) as stack:
+            fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
+            yield stack, fake
+
+
+@dataclass(frozen=True)
+class Clients:
+    mcp: McpHttp
+    browser: Browser
+    db: AsyncEngine
+
+
+@pytest.fixture
+async def clients(stack: tuple[Stack, FakeGitHub]) -> AsyncIterator[Clients]:
+    broker = stack[0].broker
+    stack[1].reset()
+    engine = create_engine(broker.database_url, pool_size=1)
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    yield Clients(mcp, browser, engine)
+    await mcp.aclose()
+    await browser.aclose()
+    await engine.dispose()
 
 
 async def crash_and_restart(broker: BrokerProcess) -> None:
@@ -37,47 +77,129 @@ async def crash_and_restart(broker: BrokerProcess) -> None:
     await asyncio.to_thread(broker.restart)
 
 
-async def test_j6_flow_killed_while_pending_and_once_completed_still_finishes(
-    stack: Stack,
+async def test_j6_api_key_flow_killed_while_pending_and_once_completed_still_finishes(
+    stack: tuple[Stack, FakeGitHub], clients: Clients
 ) -> None:
     """Killed with the flow pending: the old requestState still verifies (the retry gets the
     same URL again), and the browser's session and CSRF token from before the crash submit the
     key without a new login. Killed again with the flow completed: the retry gets the result."""
-    broker = stack.broker
-    user = unique("j6")
-    token = stack.token(user)
-    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
-    db = create_engine(broker.database_url, pool_size=1)
-    try:
-        first, _, flow_id = await round_one(mcp, token)
-        await browser.login_as(user, next_path=f"/connect/{flow_id}")
-        csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    broker, token, user = _user(stack[0], "j6-key")
+    mcp, browser, db = clients.mcp, clients.browser, clients.db
+    first, _, flow_id = await round_one(mcp, token)
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
 
-        await crash_and_restart(broker)
+    await crash_and_restart(broker)
 
-        waited = await retry(mcp, token, first["requestState"])
-        assert waited.status_code == 200, waited.text
-        body = waited.json()
-        assert "result" in body, body  # not -32602: the state from before the crash verifies
-        validate_response(body, "InputRequiredResult")
-        assert flow_id_from(body["result"])[1] == flow_id
-        submitted = await browser.post(
-            f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": API_KEY}
+    body = _input_required(await retry(mcp, token, first["requestState"]), flow_id)
+    submitted = await browser.post(
+        f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": API_KEY}
+    )
+    assert submitted.status_code == 303, submitted.text
+    assert await _status(db, flow_id) == "completed"
+
+    await crash_and_restart(broker)
+
+    final = tool_result(await retry(mcp, token, body["result"]["requestState"]))
+    assert final["structuredContent"]["status"] == "connected"
+    assert await _status(db, flow_id) == "consumed"
+    again = tool_result(await retry(mcp, token, body["result"]["requestState"]))
+    assert again["structuredContent"] == final["structuredContent"]
+
+
+async def test_j6_oauth_flow_killed_while_authorizing_completes_at_the_callback(
+    stack: tuple[Stack, FakeGitHub], clients: Clients
+) -> None:
+    """Killed while the browser is at the provider: the callback that comes back afterwards
+    still matches the flow's state digest and PKCE verifier, and the retry gets the result."""
+    broker, token, user = _user(stack[0], "j6-authz")
+    armed = await arm(clients.mcp, clients.browser, token, user)
+
+    await crash_and_restart(broker)
+
+    back = await approve_at_provider(clients.browser.http, armed.authorize_url)
+    callback = await deliver(clients.browser, back)
+    assert callback.status_code == 303, callback.text
+    result = tool_result(await _retry_github(clients.mcp, token, armed.opened.request_state))
+    assert result["structuredContent"]["status"] == "connected"
+    assert await count_rows(clients.db, "connections", subject=user, provider="github") == 1
+
+
+async def test_j6_oauth_flow_killed_while_exchanging_can_be_started_again_after_the_lease(
+    stack: tuple[Stack, FakeGitHub], clients: Clients
+) -> None:
+    """Killed while the code is being exchanged: nothing is stored and the flow stays
+    `exchanging` (another process may still be finishing it) until the lease runs out; then the
+    sweeper hands it back (`pending`), the retry gets the same URL again, and the user's second
+    attempt connects, with one connection row and no token from the interrupted exchange."""
+    (broker_stack, fake) = stack
+    broker, token, user = _user(broker_stack, "j6-exch")
+    mcp, browser, db = clients.mcp, clients.browser, clients.db
+    armed = await arm(mcp, browser, token, user)
+    back = await approve_at_provider(browser.http, armed.authorize_url)
+    fake.token_fault = "timeout"  # the token endpoint holds its answer
+    delivering = asyncio.create_task(deliver(browser, back))
+    deadline = time.monotonic() + CLAIM_SECONDS
+    while await _status(db, armed.flow_id) != "exchanging" and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert await _status(db, armed.flow_id) == "exchanging"
+
+    await crash_and_restart(broker)
+    with contextlib.suppress(httpx2.HTTPError):
+        await delivering  # the connection died with the broker
+
+    assert await _status(db, armed.flow_id) == "exchanging"
+    assert await count_rows(db, "connections", subject=user) == 0
+    await _sweep_after_lease(db, armed.flow_id)
+    row = await flow_row(db, armed.flow_id) or {}
+    assert (row["status"], row["failure"], row["sealed_pkce_verifier"]) == (
+        "pending",
+        "interrupted",
+        None,
+    )
+    waited = await _retry_github(mcp, token, armed.opened.request_state)
+    body = _input_required(waited, armed.flow_id)
+
+    again = await approve_at_provider(browser.http, await start_at_broker(browser, armed.flow_id))
+    callback = await deliver(browser, again)
+    assert callback.status_code == 303, callback.text
+    result = tool_result(await _retry_github(mcp, token, body["result"]["requestState"]))
+    assert result["structuredContent"]["status"] == "connected"
+    assert await count_rows(db, "connections", subject=user, provider="github") == 1
+    assert fake.token_calls == 2
+
+
+def _user(stack: Stack, label: str) -> tuple[BrokerProcess, str, str]:
+    user = unique(label)
+    return stack.broker, stack.token(user), user
+
+
+def _input_required(response: httpx2.Response, flow_id: str) -> dict[str, Any]:
+    """The retry of an open flow: the same URL again (so its requestState verified)."""
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    assert "result" in body, body  # not -32602
+    validate_response(body, "InputRequiredResult")
+    assert flow_id_from(body["result"])[1] == flow_id
+    return body
+
+
+async def _retry_github(mcp: McpHttp, token: str, state: str) -> httpx2.Response:
+    return await retry(
+        mcp, token, state, responses={"connect_github": {"action": "accept"}}, arguments=GITHUB
+    )
+
+
+async def _sweep_after_lease(db: AsyncEngine, flow_id: str) -> None:
+    """The sweeper's run once the exchange lease has passed (the flow's last write moved back)."""
+    async with db.begin() as connection:
+        await connection.execute(
+            update(Flow)
+            .where(Flow.id == flow_id)
+            .values(updated_at=utcnow() - EXCHANGE_LEASE - timedelta(seconds=1))
         )
-        assert submitted.status_code == 303, submitted.text
-        assert await _status(db, flow_id) == "completed"
-
-        await crash_and_restart(broker)
-
-        final = tool_result(await retry(mcp, token, body["result"]["requestState"]))
-        assert final["structuredContent"]["status"] == "connected"
-        assert await _status(db, flow_id) == "consumed"
-        again = tool_result(await retry(mcp, token, body["result"]["requestState"]))
-        assert again["structuredContent"] == final["structuredContent"]
-    finally:
-        await mcp.aclose()
-        await browser.aclose()
-        await db.dispose()
+    async with AsyncSession(db) as session, session.begin():
+        await purge(session)
 
 
 async def _status(db: AsyncEngine, flow_id: str) -> str | None:
