@@ -8,7 +8,6 @@ dump of the session broker's database proves none of them leaked in plaintext.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .conftest import ARTIFACTS
 from .support.broker import BrokerConfig, BrokerProcess, database_kind, running_broker
 from .support.clients import Browser, McpHttp
-from .support.idp import IdpProcess, free_port, mint_token
+from .support.idp import IdpProcess, mint_token
+from .support.outage import TcpProxy, behind_proxy
 
 CANARY = "CANARY"
 LEAK_MARKERS = (
@@ -35,62 +35,17 @@ LEAK_MARKERS = (
 )
 
 
-class TcpProxy:
-    """A loopback TCP relay we can cut, standing for a database that goes away."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = free_port()
-        self.server: asyncio.Server | None = None
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
-
-    async def cut(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in list(self.writers):
-            writer.close()
-        await self.server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection(
-            "127.0.0.1", self.target_port
-        )
-        self.writers.update((writer, upstream_writer))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError, ConnectionError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-
-
 @pytest.fixture
 async def broker_behind_proxy(
     idp: IdpProcess, workdir: Path
 ) -> AsyncIterator[tuple[BrokerProcess, TcpProxy | None]]:
     """A broker whose database can be taken away (PostgreSQL through a cuttable proxy)."""
-    proxy = TcpProxy(5432) if database_kind() == "postgresql" else None
-    if proxy is not None:
-        await proxy.start()
     config = BrokerConfig(
         issuer=idp.issuer, providers={"demo": {"kind": "api_key", "display_name": "Demo"}}
     )
     with running_broker(config, workdir, name="outage") as broker:
-        if proxy is not None:
-            broker.config_path.write_text(
-                broker.config_path.read_text().replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-            )
-            broker.stop()
-            await asyncio.to_thread(broker.restart)
-            yield broker, proxy
-        else:
-            yield broker, None
+        proxy = await behind_proxy(broker) if database_kind() == "postgresql" else None
+        yield broker, proxy
 
 
 async def _take_database_away(broker: BrokerProcess, proxy: TcpProxy | None) -> None:
