@@ -49,6 +49,7 @@ from app.resources import resource_dir
 from app.runtime import Runtime
 
 logger = logging.getLogger("broker")
+ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the database
 
 PURGE_INTERVAL_SECONDS = 60
 LIVENESS_PATH = "/healthz"
@@ -170,8 +171,13 @@ def create_app(
                 await purger
             await runtime.notifier.stop()
             await runtime.http.aclose()
-            await runtime.direct.close()
-            await runtime.engine.dispose()
+            answered = await runtime.direct.close()
+            if not answered:
+                logger.warning("shutdown.database_unresponsive connections=dropped")
+            # dropped, not closed, when the database did not answer: a polite close would hang
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ENGINE_CLOSE_TIMEOUT_SECONDS):
+                    await runtime.engine.dispose(close=answered)
 
     app = BrokerApp(
         title="Connect Broker",

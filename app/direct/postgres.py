@@ -41,6 +41,7 @@ OPEN_STATUSES = [str(status) for status in OPEN_FLOW_STATUSES]
 ACQUIRE_TIMEOUT_SECONDS = 3
 CONNECT_TIMEOUT_SECONDS = 3
 STATEMENT_TIMEOUT_SECONDS = 5
+CLOSE_TIMEOUT_SECONDS = 3
 
 UNAVAILABLE = (
     OSError,
@@ -172,7 +173,13 @@ class PostgresStore:
             # skips the timeout, whose setup costs a good part of a short statement's CPU.
             timeout = None if pool.get_idle_size() else ACQUIRE_TIMEOUT_SECONDS
             async with pool.acquire(timeout=timeout) as connection:
-                return await use(connection)
+                try:
+                    return await use(connection)
+                except TimeoutError:
+                    # A server that does not answer will not answer the cancel request either:
+                    # releasing the connection would wait for that as long again. Drop it.
+                    connection.terminate()
+                    raise
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from exc
 
@@ -255,7 +262,16 @@ class PostgresStore:
             found[position] = service_and_connection((issuer, subject, provider), row[1:], row[8])
         return found
 
-    async def close(self) -> None:
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            await pool.close()
+    async def close(self) -> bool:
+        """Close the connections politely, or drop them when the database does not answer (a
+        shutdown during an outage must not hang or fail)."""
+        if self._pool is None:
+            return True
+        pool, self._pool = self._pool, None
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
+                await pool.close()
+        except UNAVAILABLE:
+            pool.terminate()
+            return False
+        return True

@@ -252,7 +252,7 @@ class SqliteStore:
         expires_at = read_time(row[7]) if row[7] is not None else None
         return service_and_connection((issuer, subject, provider), row, expires_at)
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         if self._checkpoint is not None:
             self._checkpoint.cancel()
             self._checkpoint = None
@@ -261,6 +261,7 @@ class SqliteStore:
             self._loop_connection = None
         await asyncio.get_running_loop().run_in_executor(self._waiter, self._close_waiter)
         self._waiter.shutdown(wait=False)
+        return True
 
     def _close_waiter(self) -> None:
         connection: sqlite3.Connection | None = getattr(self._waiter_local, "connection", None)

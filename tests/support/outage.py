@@ -20,13 +20,23 @@ PG_PORT = 5432
 
 
 class TcpProxy:
-    """A loopback TCP relay we can cut, standing for a database that goes away."""
+    """A loopback TCP relay standing for a database that goes away (`cut`) or hangs (`stall`:
+    connections are accepted and bytes read, but nothing is passed on until `flow`, as with a
+    SIGSTOPped server whose kernel still queues what it is sent)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = free_port()
         self.server: asyncio.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def flow(self) -> None:
+        self.flowing.set()
 
     async def start(self) -> None:
         """Listen (again, after `cut`: the database is back)."""
@@ -49,6 +59,7 @@ class TcpProxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError, ConnectionError):
                 while data := await src.read(65536):
+                    await self.flowing.wait()
                     dst.write(data)
                     await dst.drain()
             dst.close()
@@ -81,9 +92,13 @@ class DatabaseOutage:
             return cls(broker, None)
         return cls(broker, await behind_proxy(broker))
 
-    async def begin(self) -> None:
+    async def begin(self, *, hang: bool = False) -> None:
+        """The database goes away, or with `hang` stops answering (the same for SQLite)."""
         if self._proxy is not None:
-            await self._proxy.cut()
+            if hang:
+                self._proxy.stall()
+            else:
+                await self._proxy.cut()
             return
         assert self._path is not None
         self._lock = sqlite3.connect(self._path, isolation_level=None)
@@ -91,6 +106,7 @@ class DatabaseOutage:
 
     async def end(self) -> None:
         if self._proxy is not None:
+            self._proxy.flow()
             if self._proxy.server is None or not self._proxy.server.is_serving():
                 await self._proxy.start()
             return

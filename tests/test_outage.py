@@ -1,0 +1,210 @@
+"""The database goes away or hangs under a running broker (SECURITY.md J2, J5), on PostgreSQL and
+on SQLite (see tests/support/outage.py for what each means there).
+
+J2: the callback claims the flow in the database before it spends the code at the provider, so an
+outage at that moment answers a 503 page and calls nobody: the code is still good, and the user
+reloading the same callback URL once the database is back completes the flow. The other order
+would spend the code and lose the token.
+
+J5: while the database hangs, requests that need it fail within the broker's timeouts with a
+clear answer, the event loop keeps serving what needs no database, and the broker recovers
+when the database answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from app.db import create_engine
+
+from .conftest import count_rows, flow_row, github_provider
+from .connect import Stack, dedicated_stack
+from .mcp.test_retry import retry, tool_result
+from .oauth.helpers import approve_at_provider, arm, deliver, unique
+from .support.clients import Browser, McpHttp, flow_id_from
+from .support.fake_github import FakeGitHub
+from .support.outage import DatabaseOutage
+
+
+@dataclass(frozen=True)
+class OutageStack:
+    stack: Stack
+    fake: FakeGitHub
+    outage: DatabaseOutage
+
+
+@pytest.fixture
+async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
+    """A broker of its own whose database can be taken away, with a GitHub of its own."""
+    with (
+        FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake,
+        dedicated_stack(
+            workdir, "callback-outage", providers={"github": github_provider(fake)}
+        ) as stack,
+    ):
+        fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
+        outage = await DatabaseOutage.arrange(stack.broker)
+        try:
+            yield OutageStack(stack, fake, outage)
+        finally:
+            await outage.close()
+
+
+async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes_on_reload(
+    outage_stack: OutageStack,
+) -> None:
+    stack, fake, outage = outage_stack.stack, outage_stack.fake, outage_stack.outage
+    broker = stack.broker
+    user = unique("j2")
+    token = stack.token(user)
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    db = create_engine(broker.database_url, pool_size=1)
+    try:
+        armed = await arm(mcp, browser, token, user)
+        back = await approve_at_provider(browser.http, armed.authorize_url)
+
+        await outage.begin()
+        during = await deliver(browser, back)
+        await outage.end()
+
+        assert during.status_code == 503, during.text
+        assert "Temporarily unavailable" in during.text
+        assert fake.token_calls == 0
+        reloaded = await deliver(browser, back)
+        assert reloaded.status_code == 303, reloaded.text
+        assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
+        answer = await retry(
+            mcp,
+            token,
+            armed.opened.request_state,
+            responses={armed.opened.key: {"action": "accept"}},
+            arguments={"provider": "github"},
+        )
+        assert tool_result(answer)["structuredContent"]["status"] == "connected"
+        assert fake.token_calls == 1
+        assert await count_rows(db, "connections", subject=user, provider="github") == 1
+    finally:
+        await mcp.aclose()
+        await browser.aclose()
+        await db.dispose()
+
+
+HANG_BOUND_SECONDS = 10.0  # statement timeout (5 s), or a ping (5 s) then a connect (3 s); + slack
+PROBE_BOUND_SECONDS = 1.0  # /healthz while the database hangs; answers in milliseconds
+RECOVERY_SECONDS = 10.0
+STOP_BOUND_SECONDS = 10.0  # a clean exit takes well under a second; BrokerProcess.stop kills at 10
+
+
+async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_the_loop(
+    outage_stack: OutageStack,
+) -> None:
+    """A tool call (the direct store) and a form post (the ORM session; declining a flow)
+    started while the database hangs both get their "unavailable" answer in bounded time and
+    change nothing; /healthz, which needs no database, keeps answering at once meanwhile; both
+    work again once the database answers."""
+    stack, outage = outage_stack.stack, outage_stack.outage
+    broker = stack.broker
+    user = unique("j5")
+    token = stack.token(user)
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    db = create_engine(broker.database_url, pool_size=1)
+    loop = asyncio.get_running_loop()
+    try:
+        first = await _round_one(mcp, token)  # both pools are warm after these two
+        assert first.status_code == 200, first.text
+        _, flow_id = flow_id_from(first.json()["result"])
+        await browser.login_as(user, next_path=f"/connect/{flow_id}")
+        csrf = await browser.csrf_token(f"/connect/{flow_id}")
+        decline = {"data": {"csrf": csrf}}
+
+        await outage.begin(hang=True)
+        started = loop.time()
+        call = asyncio.create_task(_timed(_round_one(mcp, token)))
+        page = asyncio.create_task(_timed(browser.post(f"/connect/{flow_id}/decline", **decline)))
+        probes: list[tuple[int, float]] = []
+        while not (call.done() and page.done()) and loop.time() - started < HANG_BOUND_SECONDS:
+            health, took = await _timed(browser.get("/healthz"))
+            probes.append((health.status_code, took))
+            await asyncio.sleep(0.25)
+        (answer, call_seconds), (shown, page_seconds) = await asyncio.wait_for(
+            asyncio.gather(call, page), timeout=HANG_BOUND_SECONDS
+        )
+        await outage.end()
+        recovered = await _first_success(mcp, token)
+
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "5"
+        assert answer.json()["error"]["code"] == -32603
+        assert shown.status_code == 503 and "Temporarily unavailable" in shown.text
+        assert call_seconds < HANG_BOUND_SECONDS and page_seconds < HANG_BOUND_SECONDS
+        assert len(probes) >= 2
+        assert all(status == 200 and took < PROBE_BOUND_SECONDS for status, took in probes), probes
+        assert recovered < RECOVERY_SECONDS
+        for _ in range(3):
+            assert (await _round_one(mcp, token)).status_code == 200
+        assert (await flow_row(db, flow_id) or {})["status"] == "pending"
+        declined = await browser.post(f"/connect/{flow_id}/decline", **decline)
+        assert declined.status_code == 303, declined.text
+        assert (await flow_row(db, flow_id) or {})["status"] == "declined"
+    finally:
+        await outage.end()
+        await mcp.aclose()
+        await browser.aclose()
+        await db.dispose()
+
+
+async def test_j5_broker_stopped_while_the_database_hangs_exits_cleanly(
+    outage_stack: OutageStack,
+) -> None:
+    """SIGTERM during a hang (after requests used the database): the broker drops what it
+    cannot close politely and exits with status 0, without a traceback, well before the
+    supervisor's kill."""
+    stack, outage = outage_stack.stack, outage_stack.outage
+    broker = stack.broker
+    token = stack.token(unique("j5-stop"))
+    mcp = McpHttp(broker.mcp_url)
+    try:
+        assert (await _round_one(mcp, token)).status_code == 200
+        await outage.begin(hang=True)
+        log_start = len(broker.log())
+        started = asyncio.get_running_loop().time()
+        broker.process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(broker.process.wait, STOP_BOUND_SECONDS)
+        stopped = asyncio.get_running_loop().time() - started
+    finally:
+        await outage.end()
+        await mcp.aclose()
+
+    assert code == -signal.SIGTERM, broker.log()[log_start:]  # uvicorn re-raises it at the end
+    assert stopped < STOP_BOUND_SECONDS
+    assert "Traceback" not in broker.log()[log_start:]
+    assert "shutdown failed" not in broker.log()[log_start:]
+
+
+async def _timed(request: Awaitable[httpx2.Response]) -> tuple[httpx2.Response, float]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    response = await request
+    return response, loop.time() - started
+
+
+async def _round_one(mcp: McpHttp, token: str) -> httpx2.Response:
+    return await mcp.call_tool(token, "connect_account", {"provider": "github"})
+
+
+async def _first_success(mcp: McpHttp, token: str) -> float:
+    """Seconds until a call that needs the database is answered normally again."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while loop.time() - started < RECOVERY_SECONDS:
+        if (await _round_one(mcp, token)).status_code == 200:
+            break
+        await asyncio.sleep(0.2)
+    return loop.time() - started
