@@ -1,5 +1,8 @@
-"""The database goes away or hangs under a running broker (SECURITY.md J2, J5), on PostgreSQL and
-on SQLite (see tests/support/outage.py for what each means there).
+"""The database goes away or hangs under a running broker (SECURITY.md J1, J2, J5), on
+PostgreSQL and on SQLite (see tests/support/outage.py for what each means there).
+
+J1: while the database is down, a tool call is refused quickly with a retryable JSON-RPC error,
+and the broker recovers by itself once the database is back.
 
 J2: the callback claims the flow in the database before it spends the code at the provider, so an
 outage at that moment answers a 503 page and calls nobody: the code is still good, and the user
@@ -28,9 +31,16 @@ from .conftest import count_rows, flow_row, github_provider
 from .connect import Stack, dedicated_stack
 from .mcp.test_retry import retry, tool_result
 from .oauth.helpers import approve_at_provider, arm, deliver, unique
+from .support.broker import database_kind
 from .support.clients import Browser, McpHttp, flow_id_from
 from .support.fake_github import FakeGitHub
 from .support.outage import DatabaseOutage
+
+DOWN_BOUND_SECONDS = 8.0  # SQLite: busy timeout (5 s); PostgreSQL: at once (connection refused)
+HANG_BOUND_SECONDS = 10.0  # statement timeout (5 s), or a ping (5 s) then a connect (3 s); + slack
+PROBE_BOUND_SECONDS = 1.0  # /healthz while the database hangs; answers in milliseconds
+RECOVERY_SECONDS = 10.0
+STOP_BOUND_SECONDS = 10.0  # a clean exit takes well under a second; BrokerProcess.stop kills at 10
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,42 @@ async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
             yield OutageStack(stack, fake, outage)
         finally:
             await outage.close()
+
+
+async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
+    outage_stack: OutageStack,
+) -> None:
+    """-32603 with HTTP 503 and Retry-After, in bounded time; /healthz 200 throughout, /readyz
+    503 while PostgreSQL is away (SQLite's outage is a held write lock: reads, and so readiness,
+    go on); within 10 s of the database's return calls and readiness are back, with no
+    restart."""
+    stack, outage = outage_stack.stack, outage_stack.outage
+    broker = stack.broker
+    token = stack.token(unique("j1"))
+    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
+    try:
+        assert (await _round_one(mcp, token)).status_code == 200
+
+        await outage.begin()
+        answer, took = await _timed(_round_one(mcp, token))
+        health = await browser.get("/healthz")
+        ready = await browser.get("/readyz")
+        await outage.end()
+        recovered = await _first_success(mcp, token)
+        ready_after = await browser.get("/readyz")
+    finally:
+        await outage.end()
+        await mcp.aclose()
+        await browser.aclose()
+
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "5"
+    assert answer.json()["error"]["code"] == -32603
+    assert took < DOWN_BOUND_SECONDS
+    assert health.status_code == 200
+    assert ready.status_code == (200 if database_kind() == "sqlite" else 503)
+    assert recovered < RECOVERY_SECONDS
+    assert ready_after.status_code == 200
 
 
 async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes_on_reload(
@@ -94,12 +140,6 @@ async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes
         await mcp.aclose()
         await browser.aclose()
         await db.dispose()
-
-
-HANG_BOUND_SECONDS = 10.0  # statement timeout (5 s), or a ping (5 s) then a connect (3 s); + slack
-PROBE_BOUND_SECONDS = 1.0  # /healthz while the database hangs; answers in milliseconds
-RECOVERY_SECONDS = 10.0
-STOP_BOUND_SECONDS = 10.0  # a clean exit takes well under a second; BrokerProcess.stop kills at 10
 
 
 async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_the_loop(
