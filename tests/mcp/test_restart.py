@@ -125,13 +125,14 @@ async def test_j6_oauth_flow_killed_while_authorizing_completes_at_the_callback(
     assert await count_rows(clients.db, "connections", subject=user, provider="github") == 1
 
 
-async def test_j6_oauth_flow_killed_while_exchanging_can_be_started_again_after_the_lease(
+async def test_j3_oauth_flow_killed_during_the_exchange_can_be_started_again_after_the_lease(
     stack: tuple[Stack, FakeGitHub], clients: Clients
 ) -> None:
-    """Killed while the code is being exchanged: nothing is stored and the flow stays
-    `exchanging` (another process may still be finishing it) until the lease runs out; then the
-    sweeper hands it back (`pending`), the retry gets the same URL again, and the user's second
-    attempt connects, with one connection row and no token from the interrupted exchange."""
+    """J3, and J6 in the `exchanging` state: killed after the provider spent the code and issued
+    a token, before the broker had it. Nothing is stored and the flow stays `exchanging`
+    (another process may still be finishing it) until the lease runs out; then the sweeper
+    hands it back (`pending`, failure `interrupted`: the page says to try again), the retry gets
+    the same URL again, and the user's second attempt connects, with one connection row."""
     (broker_stack, fake) = stack
     broker, token, user = _user(broker_stack, "j6-exch")
     mcp, browser, db = clients.mcp, clients.browser, clients.db
