@@ -34,6 +34,7 @@ from app.mcp.request_state import RequestStateCodec, arguments_digest
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
+from ..connect import dedicated_stack
 from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
@@ -699,6 +700,52 @@ async def test_a_waiting_retry_returns_as_soon_as_the_browser_completes_the_flow
     assert tool_result(response)["structuredContent"]["status"] == "connected"
     assert finished - submitted_at < WAKE_SECONDS
     assert finished - started < SLOW_RETRY_WAIT_SECONDS / 3
+
+
+WAITERS = 12  # retries waiting at once, against a pool of 2 connections (4 with overflow)
+AT_ONCE_SECONDS = 2.0  # under the pool's 3 s acquire timeout; answers take milliseconds
+
+
+async def test_r7_waiting_retries_hold_no_database_connection(workdir: Path) -> None:
+    """DESIGN §3.1 step 5, SECURITY R7: a retry waiting for its flow holds no database
+    connection. Twelve of them waiting at once against a pool of two leave the database to
+    everyone else: another user's round 1 and the readiness check are answered at once, and
+    each waiter gets its URL again when its wait ends."""
+    with dedicated_stack(
+        workdir,
+        "r7",
+        providers={"demo": DEMO_PROVIDER},
+        retry_wait_seconds=4,
+        extra={"database": {"pool_size": 2}},
+    ) as stack:
+        mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)
+        loop = asyncio.get_running_loop()
+        try:
+            users = [fresh_user("r7") for _ in range(WAITERS)]
+            states = [(await round_one(mcp, stack.token(user)))[0] for user in users]
+            waiting = [
+                asyncio.create_task(retry(mcp, stack.token(user), state["requestState"]))
+                for user, state in zip(users, states, strict=True)
+            ]
+            done, _ = await asyncio.wait(waiting, timeout=1.0)
+            assert not done, "a retry returned while its flow was still pending"
+
+            started = loop.time()
+            other = await round_one(mcp, stack.token(fresh_user("r7-other")))
+            ready = await browser.get("/readyz")
+            took = loop.time() - started
+            answers = await asyncio.wait_for(asyncio.gather(*waiting), timeout=30)
+        finally:
+            await mcp.aclose()
+            await browser.aclose()
+
+    assert other[2] and ready.status_code == 200
+    assert took < AT_ONCE_SECONDS
+    for answer, state in zip(answers, states, strict=True):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        validate_response(body, "InputRequiredResult")
+        assert flow_id_from(body["result"]) == flow_id_from(state)
 
 
 # ------------------------------------------------------------------------------------------------

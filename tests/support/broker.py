@@ -135,7 +135,7 @@ class BrokerConfig:
         }
         sections = {
             "server": server,
-            "database": {"url": database_url},
+            "database": {"url": database_url, **self.extra.get("database", {})},
             "identity": identity,
             "keys": {"signing": self.signing, "encryption": self.encryption},
         }
