@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
 
@@ -31,7 +32,7 @@ from .conftest import count_rows, flow_row, github_provider
 from .connect import Stack, dedicated_stack
 from .mcp.test_retry import retry, tool_result
 from .oauth.helpers import approve_at_provider, arm, deliver, unique
-from .support.broker import database_kind
+from .support.broker import BrokerProcess, database_kind
 from .support.clients import Browser, McpHttp, flow_id_from
 from .support.fake_github import FakeGitHub
 from .support.outage import DatabaseOutage
@@ -48,6 +49,13 @@ class OutageStack:
     stack: Stack
     fake: FakeGitHub
     outage: DatabaseOutage
+    mcp: McpHttp
+    browser: Browser
+    db: AsyncEngine
+
+    @property
+    def broker(self) -> BrokerProcess:
+        return self.stack.broker
 
 
 @pytest.fixture
@@ -61,10 +69,15 @@ async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     ):
         fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
         outage = await DatabaseOutage.arrange(stack.broker)
+        mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)
+        db = create_engine(stack.broker.database_url, pool_size=1)
         try:
-            yield OutageStack(stack, fake, outage)
+            yield OutageStack(stack, fake, outage, mcp, browser, db)
         finally:
             await outage.close()
+            await mcp.aclose()
+            await browser.aclose()
+            await db.dispose()
 
 
 async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
@@ -75,23 +88,17 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     go on); within 10 s of the database's return calls and readiness are back, with no
     restart."""
     stack, outage = outage_stack.stack, outage_stack.outage
-    broker = stack.broker
+    mcp, browser = outage_stack.mcp, outage_stack.browser
     token = stack.token(unique("j1"))
-    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
-    try:
-        assert (await _round_one(mcp, token)).status_code == 200
+    assert (await _round_one(mcp, token)).status_code == 200
 
-        await outage.begin()
-        answer, took = await _timed(_round_one(mcp, token))
-        health = await browser.get("/healthz")
-        ready = await browser.get("/readyz")
-        await outage.end()
-        recovered = await _first_success(mcp, token)
-        ready_after = await browser.get("/readyz")
-    finally:
-        await outage.end()
-        await mcp.aclose()
-        await browser.aclose()
+    await outage.begin()
+    answer, took = await _timed(_round_one(mcp, token))
+    health = await browser.get("/healthz")
+    ready = await browser.get("/readyz")
+    await outage.end()
+    recovered = await _first_success(mcp, token)
+    ready_after = await browser.get("/readyz")
 
     assert answer.status_code == 503, answer.text
     assert answer.headers["retry-after"] == "5"
@@ -107,39 +114,32 @@ async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes
     outage_stack: OutageStack,
 ) -> None:
     stack, fake, outage = outage_stack.stack, outage_stack.fake, outage_stack.outage
-    broker = stack.broker
+    mcp, browser, db = outage_stack.mcp, outage_stack.browser, outage_stack.db
     user = unique("j2")
     token = stack.token(user)
-    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
-    db = create_engine(broker.database_url, pool_size=1)
-    try:
-        armed = await arm(mcp, browser, token, user)
-        back = await approve_at_provider(browser.http, armed.authorize_url)
+    armed = await arm(mcp, browser, token, user)
+    back = await approve_at_provider(browser.http, armed.authorize_url)
 
-        await outage.begin()
-        during = await deliver(browser, back)
-        await outage.end()
+    await outage.begin()
+    during = await deliver(browser, back)
+    await outage.end()
 
-        assert during.status_code == 503, during.text
-        assert "Temporarily unavailable" in during.text
-        assert fake.token_calls == 0
-        reloaded = await deliver(browser, back)
-        assert reloaded.status_code == 303, reloaded.text
-        assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
-        answer = await retry(
-            mcp,
-            token,
-            armed.opened.request_state,
-            responses={armed.opened.key: {"action": "accept"}},
-            arguments={"provider": "github"},
-        )
-        assert tool_result(answer)["structuredContent"]["status"] == "connected"
-        assert fake.token_calls == 1
-        assert await count_rows(db, "connections", subject=user, provider="github") == 1
-    finally:
-        await mcp.aclose()
-        await browser.aclose()
-        await db.dispose()
+    assert during.status_code == 503, during.text
+    assert "Temporarily unavailable" in during.text
+    assert fake.token_calls == 0
+    reloaded = await deliver(browser, back)
+    assert reloaded.status_code == 303, reloaded.text
+    assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
+    answer = await retry(
+        mcp,
+        token,
+        armed.opened.request_state,
+        responses={armed.opened.key: {"action": "accept"}},
+        arguments={"provider": "github"},
+    )
+    assert tool_result(answer)["structuredContent"]["status"] == "connected"
+    assert fake.token_calls == 1
+    assert await count_rows(db, "connections", subject=user, provider="github") == 1
 
 
 async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_the_loop(
@@ -150,79 +150,65 @@ async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_
     change nothing; /healthz, which needs no database, keeps answering at once meanwhile; both
     work again once the database answers."""
     stack, outage = outage_stack.stack, outage_stack.outage
-    broker = stack.broker
+    mcp, browser, db = outage_stack.mcp, outage_stack.browser, outage_stack.db
     user = unique("j5")
     token = stack.token(user)
-    mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
-    db = create_engine(broker.database_url, pool_size=1)
     loop = asyncio.get_running_loop()
-    try:
-        first = await _round_one(mcp, token)  # both pools are warm after these two
-        assert first.status_code == 200, first.text
-        _, flow_id = flow_id_from(first.json()["result"])
-        await browser.login_as(user, next_path=f"/connect/{flow_id}")
-        csrf = await browser.csrf_token(f"/connect/{flow_id}")
-        decline = {"data": {"csrf": csrf}}
+    first = await _round_one(mcp, token)  # both pools are warm after these two
+    assert first.status_code == 200, first.text
+    _, flow_id = flow_id_from(first.json()["result"])
+    await browser.login_as(user, next_path=f"/connect/{flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    decline = {"data": {"csrf": csrf}}
 
-        await outage.begin(hang=True)
-        started = loop.time()
-        call = asyncio.create_task(_timed(_round_one(mcp, token)))
-        page = asyncio.create_task(_timed(browser.post(f"/connect/{flow_id}/decline", **decline)))
-        probes: list[tuple[int, float]] = []
-        while not (call.done() and page.done()) and loop.time() - started < HANG_BOUND_SECONDS:
-            health, took = await _timed(browser.get("/healthz"))
-            probes.append((health.status_code, took))
-            await asyncio.sleep(0.25)
-        (answer, call_seconds), (shown, page_seconds) = await asyncio.wait_for(
-            asyncio.gather(call, page), timeout=HANG_BOUND_SECONDS
-        )
-        await outage.end()
-        recovered = await _first_success(mcp, token)
+    await outage.begin(hang=True)
+    started = loop.time()
+    call = asyncio.create_task(_timed(_round_one(mcp, token)))
+    page = asyncio.create_task(_timed(browser.post(f"/connect/{flow_id}/decline", **decline)))
+    probes: list[tuple[int, float]] = []
+    while not (call.done() and page.done()) and loop.time() - started < HANG_BOUND_SECONDS:
+        health, took = await _timed(browser.get("/healthz"))
+        probes.append((health.status_code, took))
+        await asyncio.sleep(0.25)
+    (answer, call_seconds), (shown, page_seconds) = await asyncio.wait_for(
+        asyncio.gather(call, page), timeout=HANG_BOUND_SECONDS
+    )
+    await outage.end()
+    recovered = await _first_success(mcp, token)
 
-        assert answer.status_code == 503, answer.text
-        assert answer.headers["retry-after"] == "5"
-        assert answer.json()["error"]["code"] == -32603
-        assert shown.status_code == 503 and "Temporarily unavailable" in shown.text
-        assert call_seconds < HANG_BOUND_SECONDS and page_seconds < HANG_BOUND_SECONDS
-        assert len(probes) >= 2
-        assert all(status == 200 and took < PROBE_BOUND_SECONDS for status, took in probes), probes
-        assert recovered < RECOVERY_SECONDS
-        for _ in range(3):
-            assert (await _round_one(mcp, token)).status_code == 200
-        assert (await flow_row(db, flow_id) or {})["status"] == "pending"
-        declined = await browser.post(f"/connect/{flow_id}/decline", **decline)
-        assert declined.status_code == 303, declined.text
-        assert (await flow_row(db, flow_id) or {})["status"] == "declined"
-    finally:
-        await outage.end()
-        await mcp.aclose()
-        await browser.aclose()
-        await db.dispose()
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "5"
+    assert answer.json()["error"]["code"] == -32603
+    assert shown.status_code == 503 and "Temporarily unavailable" in shown.text
+    assert call_seconds < HANG_BOUND_SECONDS and page_seconds < HANG_BOUND_SECONDS
+    assert len(probes) >= 2
+    assert all(status == 200 and took < PROBE_BOUND_SECONDS for status, took in probes), probes
+    assert recovered < RECOVERY_SECONDS
+    for _ in range(3):
+        assert (await _round_one(mcp, token)).status_code == 200
+    assert (await flow_row(db, flow_id) or {})["status"] == "pending"
+    declined = await browser.post(f"/connect/{flow_id}/decline", **decline)
+    assert declined.status_code == 303, declined.text
+    assert (await flow_row(db, flow_id) or {})["status"] == "declined"
 
 
 async def test_j5_broker_stopped_while_the_database_hangs_exits_cleanly(
     outage_stack: OutageStack,
 ) -> None:
     """SIGTERM during a hang (after requests used the database): the broker drops what it
-    cannot close politely and exits with status 0, without a traceback, well before the
-    supervisor's kill."""
-    stack, outage = outage_stack.stack, outage_stack.outage
-    broker = stack.broker
-    token = stack.token(unique("j5-stop"))
-    mcp = McpHttp(broker.mcp_url)
-    try:
-        assert (await _round_one(mcp, token)).status_code == 200
-        await outage.begin(hang=True)
-        log_start = len(broker.log())
-        started = asyncio.get_running_loop().time()
-        broker.process.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(broker.process.wait, STOP_BOUND_SECONDS)
-        stopped = asyncio.get_running_loop().time() - started
-    finally:
-        await outage.end()
-        await mcp.aclose()
+    cannot close politely and exits on the signal (as uvicorn does) without a traceback, well
+    before the supervisor's kill."""
+    broker, outage = outage_stack.broker, outage_stack.outage
+    token = outage_stack.stack.token(unique("j5-stop"))
+    assert (await _round_one(outage_stack.mcp, token)).status_code == 200
+    await outage.begin(hang=True)
+    log_start = len(broker.log())
+    started = asyncio.get_running_loop().time()
+    broker.process.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(broker.process.wait, STOP_BOUND_SECONDS)
+    stopped = asyncio.get_running_loop().time() - started
 
-    assert code == -signal.SIGTERM, broker.log()[log_start:]  # uvicorn re-raises it at the end
+    assert code == -signal.SIGTERM, broker.log()[log_start:]  # not -SIGKILL, not a failure
     assert stopped < STOP_BOUND_SECONDS
     assert "Traceback" not in broker.log()[log_start:]
     assert "shutdown failed" not in broker.log()[log_start:]
