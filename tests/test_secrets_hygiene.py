@@ -20,7 +20,8 @@ from .conftest import ARTIFACTS
 from .support.broker import BrokerConfig, BrokerProcess, database_kind, running_broker
 from .support.clients import Browser, McpHttp
 from .support.idp import IdpProcess, mint_token
-from .support.outage import TcpProxy, behind_proxy
+from .support.outage import behind_proxy
+from .support.relay import TcpRelay
 
 CANARY = "CANARY"
 LEAK_MARKERS = (
@@ -38,7 +39,7 @@ LEAK_MARKERS = (
 @pytest.fixture
 async def broker_behind_proxy(
     idp: IdpProcess, workdir: Path
-) -> AsyncIterator[tuple[BrokerProcess, TcpProxy | None]]:
+) -> AsyncIterator[tuple[BrokerProcess, TcpRelay | None]]:
     """A broker whose database can be taken away (PostgreSQL through a cuttable proxy)."""
     config = BrokerConfig(
         issuer=idp.issuer, providers={"demo": {"kind": "api_key", "display_name": "Demo"}}
@@ -48,7 +49,7 @@ async def broker_behind_proxy(
         yield broker, proxy
 
 
-async def _take_database_away(broker: BrokerProcess, proxy: TcpProxy | None) -> None:
+async def _take_database_away(broker: BrokerProcess, proxy: TcpRelay | None) -> None:
     if proxy is not None:
         await proxy.cut()
     else:
@@ -59,7 +60,7 @@ async def _take_database_away(broker: BrokerProcess, proxy: TcpProxy | None) -> 
 
 
 async def test_i2_database_outage_answers_generically_without_leaks(
-    broker_behind_proxy: tuple[BrokerProcess, TcpProxy | None], idp: IdpProcess
+    broker_behind_proxy: tuple[BrokerProcess, TcpRelay | None], idp: IdpProcess
 ) -> None:
     """I2/J1: with the database gone, /mcp answers -32603 + 503 + Retry-After, pages a 503 page;
     nothing names the DSN, SQL or a stack trace; /healthz stays 200, /readyz 503."""

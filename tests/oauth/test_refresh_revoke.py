@@ -8,14 +8,8 @@ refresh tokens when `expiring_tokens` is set, as GitHub Apps do.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -23,10 +17,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
-from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, database_kind
+from ..support.broker import BrokerProcess, LogWindow, database_kind, serve_replica
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
-from ..support.idp import free_port
 from ..support.schema import validate_response
 from .flows import (
     authorize,
@@ -223,30 +216,6 @@ async def test_refresh_refused_by_the_provider_needs_reauth_and_elicits_a_new_fl
     assert tool_result(await mcp.call_tool(token, "github_whoami"))["structuredContent"] == PROFILE
 
 
-def serve_twin(broker: BrokerProcess, config: BrokerConfig, workdir: Path) -> BrokerProcess:
-    """A second broker process on the session broker's database (same keys, no migration)."""
-    twin_config = dataclasses.replace(config, port=free_port())
-    config_path = workdir / f"twin-{twin_config.port}.toml"
-    config_path.write_text(twin_config.render(broker.database_url))
-    log_path = workdir / f"twin-{twin_config.port}.log"
-    command = [sys.executable, "-m", "app.cli", "--config", str(config_path)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [*command, "serve", "--port", str(twin_config.port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    twin = BrokerProcess(twin_config, config_path, log_path, broker.database_url, process)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline and process.poll() is None:
-        with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(f"{twin.url}/healthz", timeout=1).status_code == 200:
-                return twin
-        time.sleep(0.1)
-    twin.stop()
-    raise RuntimeError(f"the second broker did not start: {twin.log()}")
-
-
 async def warm_up(client: McpHttp, token: str) -> None:
     """Open as many keep-alive connections as the burst will use, so its calls overlap.
 
@@ -260,15 +229,13 @@ async def warm_up(client: McpHttp, token: str) -> None:
 
 
 @pytest.fixture
-def processes(
-    broker: BrokerProcess, broker_config: BrokerConfig, workdir: Path
-) -> Iterator[list[BrokerProcess]]:
+def processes(broker: BrokerProcess) -> Iterator[list[BrokerProcess]]:
     """PostgreSQL: the session broker and a twin on its database. SQLite: the broker alone
     (an embedded database is one process by design)."""
     if database_kind() == "sqlite":
         yield [broker]
         return
-    twin = serve_twin(broker, broker_config, workdir)
+    twin = serve_replica(broker, name="twin")
     try:
         yield [broker, twin]
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -271,6 +272,22 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
     )
     broker.wait_until_serving()
     return broker
+
+
+def serve_replica(broker: BrokerProcess, *, name: str = "replica") -> BrokerProcess:
+    """One more `serve` process on the broker's database and keys (no migration), on a port of
+    its own. Its public URL follows its port unless the config sets `server.public_url` (replicas
+    behind one balancer share it)."""
+    config = dataclasses.replace(broker.config, port=free_port())
+    config_path = broker.config_path.with_name(f"{name}-{config.port}.toml")
+    config_path.write_text(config.render(broker.database_url))
+    log_path = config_path.with_suffix(".log")
+    log_path.write_bytes(b"")
+    replica = BrokerProcess(
+        config, config_path, log_path, broker.database_url, _serve(config, config_path, log_path)
+    )
+    replica.wait_until_serving()
+    return replica
 
 
 def _serve(config: BrokerConfig, config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
