@@ -30,8 +30,8 @@ from app.db import create_engine
 
 from .conftest import count_rows, flow_row, github_provider
 from .connect import Stack, dedicated_stack
-from .mcp.test_retry import retry, tool_result
-from .oauth.helpers import approve_at_provider, arm, deliver, unique
+from .mcp.test_retry import tool_result
+from .oauth.helpers import approve_at_provider, arm, deliver, retry_connect, unique
 from .support.broker import BrokerProcess, database_kind
 from .support.clients import Browser, McpHttp, flow_id_from
 from .support.fake_github import FakeGitHub
@@ -130,13 +130,7 @@ async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes
     reloaded = await deliver(browser, back)
     assert reloaded.status_code == 303, reloaded.text
     assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
-    answer = await retry(
-        mcp,
-        token,
-        armed.opened.request_state,
-        responses={armed.opened.key: {"action": "accept"}},
-        arguments={"provider": "github"},
-    )
+    answer = await retry_connect(mcp, token, armed.opened)
     assert tool_result(answer)["structuredContent"]["status"] == "connected"
     assert fake.token_calls == 1
     assert await count_rows(db, "connections", subject=user, provider="github") == 1

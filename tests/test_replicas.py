@@ -22,7 +22,7 @@ import pytest
 
 from .conftest import DEMO_PROVIDER, github_provider
 from .mcp.test_retry import API_KEY, retry, round_one, tool_result
-from .oauth.helpers import approve_at_provider, arm, deliver, unique
+from .oauth.helpers import approve_at_provider, arm, deliver, retry_connect, unique
 from .support.broker import (
     BrokerConfig,
     BrokerProcess,
@@ -160,13 +160,7 @@ async def test_r4_oauth_flow_with_each_step_on_the_other_replica(
     armed = await arm(mcp, browser, token, user, provider="github")
     back = await approve_at_provider(browser.http, armed.authorize_url)
     callback = await deliver(browser, back)
-    answer = await retry(
-        mcp,
-        token,
-        armed.opened.request_state,
-        responses={armed.opened.key: {"action": "accept"}},
-        arguments={"provider": "github"},
-    )
+    answer = await retry_connect(mcp, token, armed.opened)
 
     assert callback.status_code == 303, callback.text
     assert tool_result(answer)["structuredContent"]["status"] == "connected"

@@ -97,6 +97,19 @@ async def connect(browser: Browser, flow_id: str) -> tuple[str, httpx2.Response]
     return back, await deliver(browser, back)
 
 
+async def retry_connect(
+    mcp: McpHttp, token: str, opened: Opened, provider: str = "github"
+) -> httpx2.Response:
+    """The client's retry of round 1's `connect_account`: the echoed state, the URL accepted."""
+    return await mcp.call_tool(
+        token,
+        "connect_account",
+        {"provider": provider},
+        input_responses={opened.key: {"action": "accept"}},
+        request_state=opened.request_state,
+    )
+
+
 async def flow_of(db: AsyncEngine, flow_id: str) -> dict[str, Any]:
     """Every column of the flow row (`updated_at` included, so any write shows)."""
     async with db.connect() as connection:

@@ -35,6 +35,7 @@ from .helpers import (
     local,
     open_flow,
     query,
+    retry_connect,
     start_at_broker,
     unique,
 )
@@ -215,13 +216,7 @@ async def test_e7_user_denying_at_the_provider_declines_the_flow(
     back = await approve_at_provider(browser.http, armed.authorize_url)
     callback = await deliver(browser, back)
     page = await browser.get(callback.headers["location"])
-    retry = await mcp.call_tool(
-        token,
-        "connect_account",
-        {"provider": "github"},
-        input_responses={armed.opened.key: {"action": "accept"}},
-        request_state=armed.opened.request_state,
-    )
+    retry = await retry_connect(mcp, token, armed.opened)
 
     assert query(back)["error"] == "access_denied"
     assert callback.status_code == 303
@@ -531,13 +526,7 @@ async def test_t3_replay_of_a_consumed_state_makes_no_token_call(
     token = token_for(user)
     armed = await arm(mcp, browser, token, user)
     back, _ = await connect(browser, armed.flow_id)
-    retry = await mcp.call_tool(
-        token,
-        "connect_account",
-        {"provider": "github"},
-        input_responses={armed.opened.key: {"action": "accept"}},
-        request_state=armed.opened.request_state,
-    )
+    retry = await retry_connect(mcp, token, armed.opened)
     assert (await flow_of(db, armed.flow_id))["status"] == "consumed", retry.text
 
     replay = await deliver(browser, back)

@@ -19,7 +19,7 @@ from ..mcp.test_retry import API_KEY, retry, round_one, tool_result
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
-from .helpers import approve_at_provider, arm, deliver, unique
+from .helpers import approve_at_provider, arm, deliver, retry_connect, unique
 
 USERS = 30  # at once; half GitHub, half demo
 
@@ -40,16 +40,7 @@ async def test_r2_concurrent_flows_each_complete_exactly_once(
             back = await approve_at_provider(browser.http, armed.authorize_url)
             callback = await deliver(browser, back)
             assert callback.status_code == 303, callback.text
-            answers = [
-                await retry(
-                    mcp,
-                    token,
-                    armed.opened.request_state,
-                    responses={armed.opened.key: {"action": "accept"}},
-                    arguments={"provider": "github"},
-                )
-                for _ in range(2)
-            ]
+            answers = [await retry_connect(mcp, token, armed.opened) for _ in range(2)]
         finally:
             await browser.aclose()
         return [tool_result(answer)["structuredContent"] for answer in answers]
