@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,14 +32,13 @@ from app.models import Flow
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..connect import Stack, dedicated_stack, unique
-from ..oauth.helpers import approve_at_provider, arm, deliver, start_at_broker
+from ..oauth.helpers import approve_at_provider, arm, deliver, retry_connect, start_at_broker
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.fake_github import FakeGitHub
 from ..support.schema import validate_response
 from .test_retry import API_KEY, retry, round_one, tool_result
 
-GITHUB = {"provider": "github"}
 CLAIM_SECONDS = 10.0  # callback delivered to the flow seen `exchanging`; takes milliseconds
 
 
@@ -53,7 +52,7 @@ def stack(workdir: Path) -> Iterator[tuple[Stack, FakeGitHub]]:
             yield stack, fake
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Clients:
     mcp: McpHttp
     browser: Browser
@@ -120,7 +119,7 @@ async def test_j6_oauth_flow_killed_while_authorizing_completes_at_the_callback(
     back = await approve_at_provider(clients.browser.http, armed.authorize_url)
     callback = await deliver(clients.browser, back)
     assert callback.status_code == 303, callback.text
-    result = tool_result(await _retry_github(clients.mcp, token, armed.opened.request_state))
+    result = tool_result(await retry_connect(clients.mcp, token, armed.opened))
     assert result["structuredContent"]["status"] == "connected"
     assert await count_rows(clients.db, "connections", subject=user, provider="github") == 1
 
@@ -158,13 +157,14 @@ async def test_j3_oauth_flow_killed_during_the_exchange_can_be_started_again_aft
         "interrupted",
         None,
     )
-    waited = await _retry_github(mcp, token, armed.opened.request_state)
+    waited = await retry_connect(mcp, token, armed.opened)
     body = _input_required(waited, armed.flow_id)
 
     again = await approve_at_provider(browser.http, await start_at_broker(browser, armed.flow_id))
     callback = await deliver(browser, again)
     assert callback.status_code == 303, callback.text
-    result = tool_result(await _retry_github(mcp, token, body["result"]["requestState"]))
+    reissued = dataclasses.replace(armed.opened, request_state=body["result"]["requestState"])
+    result = tool_result(await retry_connect(mcp, token, reissued))
     assert result["structuredContent"]["status"] == "connected"
     assert await count_rows(db, "connections", subject=user, provider="github") == 1
     assert fake.token_calls == 2
@@ -183,12 +183,6 @@ def _input_required(response: httpx2.Response, flow_id: str) -> dict[str, Any]:
     validate_response(body, "InputRequiredResult")
     assert flow_id_from(body["result"])[1] == flow_id
     return body
-
-
-async def _retry_github(mcp: McpHttp, token: str, state: str) -> httpx2.Response:
-    return await retry(
-        mcp, token, state, responses={"connect_github": {"action": "accept"}}, arguments=GITHUB
-    )
 
 
 async def _sweep_after_lease(db: AsyncEngine, flow_id: str) -> None:

@@ -265,13 +265,7 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
     migrated = cli("migrate", config_path=config_path)
     if migrated.returncode != 0:
         raise RuntimeError(f"migrate failed: {migrated.stderr}")
-    log_path = workdir / f"{name}-{config.port}.log"
-    log_path.write_bytes(b"")
-    broker = BrokerProcess(
-        config, config_path, log_path, database_url, _serve(config, config_path, log_path)
-    )
-    broker.wait_until_serving()
-    return broker
+    return _launch(config, config_path, workdir / f"{name}-{config.port}.log", database_url)
 
 
 def serve_replica(broker: BrokerProcess, *, name: str = "replica") -> BrokerProcess:
@@ -281,13 +275,19 @@ def serve_replica(broker: BrokerProcess, *, name: str = "replica") -> BrokerProc
     config = dataclasses.replace(broker.config, port=free_port())
     config_path = broker.config_path.with_name(f"{name}-{config.port}.toml")
     config_path.write_text(config.render(broker.database_url))
-    log_path = config_path.with_suffix(".log")
+    return _launch(config, config_path, config_path.with_suffix(".log"), broker.database_url)
+
+
+def _launch(
+    config: BrokerConfig, config_path: Path, log_path: Path, database_url: str
+) -> BrokerProcess:
+    """Serve with a fresh log, and return once the process answers."""
     log_path.write_bytes(b"")
-    replica = BrokerProcess(
-        config, config_path, log_path, broker.database_url, _serve(config, config_path, log_path)
+    broker = BrokerProcess(
+        config, config_path, log_path, database_url, _serve(config, config_path, log_path)
     )
-    replica.wait_until_serving()
-    return replica
+    broker.wait_until_serving()
+    return broker
 
 
 def _serve(config: BrokerConfig, config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:

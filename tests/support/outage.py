@@ -1,4 +1,4 @@
-"""Taking a broker's database away and giving it back, for outage tests (SECURITY.md I2, J2).
+"""Taking a broker's database away and giving it back (SECURITY.md I2, J1, J2, J5).
 
 PostgreSQL goes away for real: the broker reaches it through a TCP relay that is cut, then opened
 again. An SQLite file cannot be taken from a process that has it open; what an unavailable SQLite
