@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -22,6 +21,7 @@ from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache
+from app.collector import settle_for_serving
 from app.config import Settings
 from app.connect import oauth_pages, pages
 from app.connect import service as flows
@@ -158,10 +158,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await runtime.notifier.start()
-        # Everything built so far lives as long as the process: exempt it from the cyclic
-        # collector, whose full passes otherwise walk it all and pause every request meanwhile.
-        gc.collect()
-        gc.freeze()
+        settle_for_serving()
         purger = asyncio.create_task(_purge_forever(runtime))
         try:
             yield
