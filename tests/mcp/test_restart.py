@@ -1,6 +1,7 @@
 """J6: the broker killed with SIGKILL mid-flow and started again on the same configuration and
 database (SECURITY.md §J), in each state a flow waits in: pending and completed (an API key),
-authorizing and exchanging (OAuth).
+authorizing and exchanging (OAuth); J3 and J4: killed during the exchange, and once the exchange
+is committed but its answer has not reached the browser.
 
 A flow's state lives in the database, and what the client and the browser hold was derived from
 the configured keys: the client's requestState, the browser's session cookie and the form's CSRF
@@ -32,14 +33,23 @@ from app.models import Flow
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..connect import Stack, dedicated_stack, unique
-from ..oauth.helpers import approve_at_provider, arm, deliver, retry_connect, start_at_broker
+from ..oauth.helpers import (
+    approve_at_provider,
+    arm,
+    deliver,
+    local,
+    retry_connect,
+    start_at_broker,
+)
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.fake_github import FakeGitHub
+from ..support.relay import TcpRelay
 from ..support.schema import validate_response
 from .test_retry import API_KEY, retry, round_one, tool_result
 
 CLAIM_SECONDS = 10.0  # callback delivered to the flow seen `exchanging`; takes milliseconds
+COMMIT_SECONDS = 10.0  # callback delivered to the exchange committed; takes milliseconds
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +178,51 @@ async def test_j3_oauth_flow_killed_during_the_exchange_can_be_started_again_aft
     assert result["structuredContent"]["status"] == "connected"
     assert await count_rows(db, "connections", subject=user, provider="github") == 1
     assert fake.token_calls == 2
+
+
+async def test_j4_oauth_flow_killed_after_the_commit_before_the_browser_has_the_answer(
+    stack: tuple[Stack, FakeGitHub], clients: Clients
+) -> None:
+    """J4: the callback goes through a relay that passes the request on and keeps the answer;
+    the broker is killed once the exchange is committed (the flow `completed`), and the browser
+    sees its connection die without an answer. What was committed is all there is: reloading
+    the callback shows GitHub connected without a second exchange, and the retry gets the
+    result, with one connection row and one token call."""
+    (broker_stack, fake) = stack
+    broker, token, user = _user(broker_stack, "j4-commit")
+    mcp, browser, db = clients.mcp, clients.browser, clients.db
+    armed = await arm(mcp, browser, token, user)
+    back = await approve_at_provider(browser.http, armed.authorize_url)
+    relay = TcpRelay(broker.config.port)
+    await relay.start()
+    relay.hold_answers()
+    lost = Browser(f"http://127.0.0.1:{relay.port}")
+    lost.cookies = dict(browser.cookies)
+    try:
+        delivering = asyncio.create_task(
+            lost.get(local(back), headers={"Host": f"127.0.0.1:{broker.config.port}"})
+        )
+        deadline = time.monotonic() + COMMIT_SECONDS
+        while await _status(db, armed.flow_id) != "completed" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert await _status(db, armed.flow_id) == "completed"
+
+        await crash_and_restart(broker)
+        await relay.cut()
+        with pytest.raises(httpx2.HTTPError):
+            await delivering  # the browser's error page: no answer came
+    finally:
+        await lost.aclose()
+
+    reloaded = await deliver(browser, back)
+    assert reloaded.status_code == 303, reloaded.text
+    assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
+    page = await browser.get(reloaded.headers["location"])
+    assert "GitHub is connected" in page.text
+    result = tool_result(await retry_connect(mcp, token, armed.opened))
+    assert result["structuredContent"]["status"] == "connected"
+    assert await count_rows(db, "connections", subject=user, provider="github") == 1
+    assert fake.token_calls == 1
 
 
 def _user(stack: Stack, label: str) -> tuple[BrokerProcess, str, str]:

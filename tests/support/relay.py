@@ -13,7 +13,9 @@ class TcpRelay:
     """A loopback TCP relay. In front of a database it stands for one that goes away (`cut`) or
     hangs (`stall`: connections are accepted and bytes read, but nothing is passed on until
     `flow`, as with a SIGSTOPped server whose kernel still queues what it is sent). In front of
-    several servers it is a round-robin load balancer: each new connection goes to the next."""
+    several servers it is a round-robin load balancer: each new connection goes to the next.
+    In front of a web server it can lose answers (`hold_answers`: requests are passed on, what
+    comes back is kept until `cut` drops the connections)."""
 
     def __init__(self, *target_ports: int, port: int | None = None) -> None:
         self.targets = itertools.cycle(target_ports)
@@ -23,12 +25,17 @@ class TcpRelay:
         self.writers: set[asyncio.StreamWriter] = set()
         self.flowing = asyncio.Event()
         self.flowing.set()
+        self.answering = asyncio.Event()
+        self.answering.set()
 
     def stall(self) -> None:
         self.flowing.clear()
 
     def flow(self) -> None:
         self.flowing.set()
+
+    def hold_answers(self) -> None:
+        self.answering.clear()
 
     async def start(self) -> None:
         """Listen (again, after `cut`: the database is back)."""
@@ -40,6 +47,7 @@ class TcpRelay:
         for writer in list(self.writers):
             writer.close()
         self.writers.clear()
+        self.answering.set()  # what was held goes nowhere now: let the pipes finish
         await self.server.wait_closed()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -48,12 +56,20 @@ class TcpRelay:
         upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target)
         self.writers.update((writer, upstream_writer))
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, *gates: asyncio.Event
+        ) -> None:
             with contextlib.suppress(OSError, ConnectionError):
                 while data := await src.read(65536):
-                    await self.flowing.wait()
+                    for gate in gates:
+                        await gate.wait()
+                    if dst.is_closing():
+                        break
                     dst.write(data)
                     await dst.drain()
             dst.close()
 
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+        await asyncio.gather(
+            pipe(reader, upstream_writer, self.flowing),
+            pipe(upstream_reader, writer, self.flowing, self.answering),
+        )
