@@ -3,11 +3,13 @@
 The fake GitHub answers the token endpoint badly in one way per test. Whatever it does, the broker
 spends the code once, stores nothing, logs a reason (never the body), puts the flow back to
 `pending` and shows the user a page that says what happened with a button to try again.
-F2, F3 and F10 use a dedicated broker whose GitHub provider has a 2 s deadline.
+F2, F3 and F10 use a dedicated broker whose GitHub provider has a 2 s deadline; so does R6
+(SECURITY.md §4.3), a token endpoint hanging for many users at once while another is served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -21,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
 
-from ..conftest import count_rows, flow_row, github_provider
+from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub, TokenFault
@@ -306,8 +308,9 @@ class Dedicated:
 
 @pytest.fixture(scope="module")
 def dedicated(workdir: Any) -> Iterator[Dedicated]:
-    """A broker whose `github` gives up after 2 s and whose `ghdown` points at a closed port,
-    with its own IdP (which knows its login callback) and its own fake GitHub."""
+    """A broker whose `github` gives up after 2 s and whose `ghdown` points at a closed port (and
+    an API-key `demo`; a database pool of 2), with its own IdP (which knows its login callback)
+    and its own fake GitHub."""
     port = free_port()
     idp_config = IdpConfig(
         resources=[f"http://127.0.0.1:{port}/mcp"],
@@ -330,7 +333,10 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
             "token_url": f"{down}/login/oauth/access_token",
         }
         config = BrokerConfig(
-            issuer=idp.issuer, port=port, providers={"github": github, "ghdown": ghdown}
+            issuer=idp.issuer,
+            port=port,
+            providers={"github": github, "ghdown": ghdown, "demo": DEMO_PROVIDER},
+            extra={"database": {"pool_size": 2}},  # R6: fewer than the exchanges it holds up
         )
         name = f"deadline-{secrets.token_hex(3)}"
         with running_broker(config, workdir, name=name) as broker:
@@ -410,3 +416,78 @@ async def test_f10_unreachable_authorize_endpoint_still_gets_a_303_and_the_flow_
     row = await flow_row(clients.db, round_one.flow_id) or {}
     assert row["status"] == "authorizing" and row["failure"] is None
     assert await count_rows(clients.db, "connections", subject=user) == 0
+
+
+HANGING_EXCHANGES = 10
+IN_FLIGHT_SECONDS = 10.0  # the callbacks reach the token endpoint within milliseconds
+
+
+async def test_r6_exchanges_hanging_at_the_provider_leave_other_users_served(
+    dedicated: Dedicated, clients: DedicatedClients
+) -> None:
+    """R6: the token endpoint hangs for ten users' exchanges at once. While all ten are still
+    waiting on it, another user completes an API-key flow (round 1, the form, the key, the
+    retry): hanging exchanges hold no worker, lock or connection of the broker's pool of two.
+    Each hung exchange then ends at its own deadline: one token call each, the flow back to
+    `pending` with failure `timeout`, nothing stored, and a page that says to try again."""
+    waiting = [fresh_user("r6-hung") for _ in range(HANGING_EXCHANGES)]
+    browsers = [Browser(dedicated.broker.url) for _ in waiting]
+    other = fresh_user("r6-other")
+    other_token = clients.token(dedicated, other)
+    try:
+        callbacks = [
+            await at_callback(clients.mcp, browser, clients.token(dedicated, user), user)
+            for browser, user in zip(browsers, waiting, strict=True)
+        ]
+        first = await elicit(clients.mcp, other_token, {"provider": "demo"})
+        await clients.browser.login_as(other, next_path=f"/connect/{first.flow_id}")
+        clients.fake.token_fault = "timeout"
+        clients.fake.sticky_faults = True  # every exchange hangs, not only the next one
+        returning = [_on_a_new_connection(browser) for browser in browsers]
+        browsers.extend(returning)
+
+        hung = [
+            asyncio.create_task(return_to_broker(browser, callback_url))
+            for browser, (_, callback_url) in zip(returning, callbacks, strict=True)
+        ]
+        deadline = time.monotonic() + IN_FLIGHT_SECONDS
+        while clients.fake.token_calls < HANGING_EXCHANGES and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert clients.fake.token_calls == HANGING_EXCHANGES
+
+        form = await clients.browser.get(f"/connect/{first.flow_id}")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', form.text)
+        assert csrf, form.text
+        submitted = await clients.browser.post(
+            f"/connect/{first.flow_id}/api-key",
+            data={"csrf": csrf.group(1), "api_key": "sk_r6otheruser"},
+        )
+        assert submitted.status_code == 303, submitted.text
+        final = await clients.mcp.call_tool(
+            other_token,
+            "connect_account",
+            {"provider": "demo"},
+            input_responses={first.key: {"action": "accept"}},
+            request_state=first.request_state,
+        )
+        assert tool_result(final)["structuredContent"]["status"] == "connected"
+        assert not any(task.done() for task in hung)  # all ten still at the provider
+
+        answers = await asyncio.gather(*hung)
+        assert [answer.status_code for answer in answers] == [303] * HANGING_EXCHANGES
+        assert clients.fake.token_calls == HANGING_EXCHANGES
+        for user, (flow_id, _) in zip(waiting, callbacks, strict=True):
+            await assert_nothing_stored(clients.db, flow_id, user, reason="timeout")
+        page = await browsers[0].get(f"/connect/{callbacks[0][0]}")
+        assert TOO_SLOW in page.text and CONTINUE_BUTTON in page.text
+    finally:
+        for browser in browsers:
+            await browser.aclose()
+
+
+def _on_a_new_connection(browser: Browser) -> Browser:
+    """The same browser session on a connection of its own: one that sat idle through the
+    other users' set-up may be closed by the server just as a request is sent on it."""
+    fresh = Browser(browser.broker_url)
+    fresh.cookies = dict(browser.cookies)
+    return fresh
