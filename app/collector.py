@@ -3,7 +3,7 @@
 A collection of the youngest generation promotes whatever is still alive, and under load that is
 mostly the objects of requests in flight. With CPython's default first threshold (700) they reach
 the oldest generation so fast that a full collection ran every two seconds of a saturating load,
-walking every long-lived object (25-85 ms on the benchmark machine) while every request waited.
+walking every long-lived object (25-60 ms on the benchmark machine) while every request waited.
 Collecting the youngest generation after 50,000 net new objects instead leaves most of those
 objects dead by the time it runs: the round-1 benchmark's p99 fell from about 40 ms to 18 ms.
 """
