@@ -196,8 +196,7 @@ async def test_j4_oauth_flow_killed_after_the_commit_before_the_browser_has_the_
     relay = TcpRelay(broker.config.port)
     await relay.start()
     relay.hold_answers()
-    lost = Browser(f"http://127.0.0.1:{relay.port}")
-    lost.cookies = dict(browser.cookies)
+    lost = browser.on_new_connection(f"http://127.0.0.1:{relay.port}")
     try:
         delivering = asyncio.create_task(
             lost.get(local(back), headers={"Host": f"127.0.0.1:{broker.config.port}"})

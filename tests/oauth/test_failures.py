@@ -443,7 +443,9 @@ async def test_r6_exchanges_hanging_at_the_provider_leave_other_users_served(
         await clients.browser.login_as(other, next_path=f"/connect/{first.flow_id}")
         clients.fake.token_fault = "timeout"
         clients.fake.sticky_faults = True  # every exchange hangs, not only the next one
-        returning = [_on_a_new_connection(browser) for browser in browsers]
+        # new connections: one that sat idle through the other users' set-up may be closed by
+        # the server just as a request is sent on it
+        returning = [browser.on_new_connection() for browser in browsers]
         browsers.extend(returning)
 
         hung = [
@@ -483,11 +485,3 @@ async def test_r6_exchanges_hanging_at_the_provider_leave_other_users_served(
     finally:
         for browser in browsers:
             await browser.aclose()
-
-
-def _on_a_new_connection(browser: Browser) -> Browser:
-    """The same browser session on a connection of its own: one that sat idle through the
-    other users' set-up may be closed by the server just as a request is sent on it."""
-    fresh = Browser(browser.broker_url)
-    fresh.cookies = dict(browser.cookies)
-    return fresh

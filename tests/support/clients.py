@@ -166,6 +166,13 @@ class Browser:
         assert match, page.text
         return match.group(1)
 
+    def on_new_connection(self, url: str | None = None) -> Browser:
+        """The same session (its cookies) on a client of its own, so on a new connection; at
+        `url` instead of the broker's (a relay in front of it) when given."""
+        other = Browser(url or self.broker_url)
+        other.cookies = dict(self.cookies)
+        return other
+
     async def aclose(self) -> None:
         await self.http.aclose()
 
