@@ -3,6 +3,10 @@
 Plain URLs (`sqlite:///path`, `postgresql://user@host/db`) get their async driver here. Waits are
 bounded: a pool timeout, a connect timeout and a statement timeout, so an outage turns into a quick
 503 instead of a hang. SQL parameters are never logged (`hide_parameters`).
+
+The bounds, shared with the direct stores (app/direct/): while the database hangs or another
+connection holds SQLite's write lock, a request gets its answer within 5 s (SECURITY.md R5).
+Migrations run unbounded: building an index on a large table may take longer than a request.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -24,7 +30,9 @@ from starlette.requests import Request
 
 POOL_TIMEOUT_SECONDS = 3
 CONNECT_TIMEOUT_SECONDS = 3
-STATEMENT_TIMEOUT_MS = 5000
+STATEMENT_WAIT_SECONDS = 4  # the client stops waiting for a statement, or for SQLite's lock
+SERVER_STATEMENT_TIMEOUT_MS = 5000  # PostgreSQL's own bound, for what the client gave up on
+MIGRATION_LOCK_WAIT_SECONDS = 60  # SQLite: a migration waits this long for a running broker
 
 
 def async_url(url: str) -> URL:
@@ -38,29 +46,54 @@ def async_url(url: str) -> URL:
     if backend == "sqlite":
         return parsed.set(drivername="sqlite+aiosqlite")
     if backend in ("postgresql", "postgres"):
-        return parsed.set(drivername="postgresql+asyncpg")
+        return parsed.set(drivername=f"postgresql+{ASYNCPG_DIALECT}")
     raise ValueError(f"unsupported database {backend!r} (use sqlite:/// or postgresql://)")
+
+
+class DroppingAsyncpgDialect(PGDialect_asyncpg):
+    """asyncpg, whose hard close of a connection drops it at once.
+
+    SQLAlchemy hard-closes a connection it invalidates (a statement timed out, the server went
+    away) or finds stale at checkout; its asyncpg dialect first tries a polite close and waits up
+    to 2 s for the server's answer. A server that hangs never answers: the request would wait
+    those 2 s on top of its statement timeout, and miss its 5 s bound.
+    """
+
+    supports_statement_cache = True  # compiles as its parent does
+
+    def do_terminate(self, dbapi_connection: Any) -> None:
+        dbapi_connection.driver_connection.terminate()
+
+
+ASYNCPG_DIALECT = "asyncpg_dropping"
+registry.register(f"postgresql.{ASYNCPG_DIALECT}", __name__, DroppingAsyncpgDialect.__name__)
 
 
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
+def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> AsyncEngine:
+    """An engine whose statements wait at most STATEMENT_WAIT_SECONDS, unless not `bounded`."""
     target = async_url(url)
     if target.get_backend_name() == "sqlite":
         if target.database and target.database != ":memory:":
             Path(target.database).parent.mkdir(parents=True, exist_ok=True)
+        lock_wait = STATEMENT_WAIT_SECONDS if bounded else MIGRATION_LOCK_WAIT_SECONDS
         engine = create_async_engine(
             target,
             hide_parameters=True,
             pool_size=pool_size,
             max_overflow=pool_size,
             pool_timeout=POOL_TIMEOUT_SECONDS,
-            connect_args={"timeout": CONNECT_TIMEOUT_SECONDS},
+            connect_args={"timeout": lock_wait},  # sqlite3's `timeout` is its busy timeout
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
+    statement_bounds: dict[str, Any] = {
+        "command_timeout": STATEMENT_WAIT_SECONDS,
+        "server_settings": {"statement_timeout": str(SERVER_STATEMENT_TIMEOUT_MS)},
+    }
     return create_async_engine(
         target,
         hide_parameters=True,
@@ -70,11 +103,7 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_timeout=POOL_TIMEOUT_SECONDS,
-        connect_args={
-            "timeout": CONNECT_TIMEOUT_SECONDS,
-            "command_timeout": STATEMENT_TIMEOUT_MS / 1000,
-            "server_settings": {"statement_timeout": str(STATEMENT_TIMEOUT_MS)},
-        },
+        connect_args={"timeout": CONNECT_TIMEOUT_SECONDS, **(statement_bounds if bounded else {})},
     )
 
 
@@ -82,7 +111,6 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 

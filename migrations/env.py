@@ -23,7 +23,7 @@ def run_migrations(connection: Connection) -> None:
 
 
 async def run_online() -> None:
-    engine = create_engine(config.attributes["url"], pool_size=1)
+    engine = create_engine(config.attributes["url"], pool_size=1, bounded=False)
     async with engine.connect() as connection:
         await connection.run_sync(run_migrations)
         await connection.commit()

@@ -458,7 +458,7 @@ async def postgresql_url(tmp_path: Path) -> AsyncIterator[str]:
 async def test_waiting_for_a_busy_postgresql_pool_is_bounded(
     postgresql_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(postgres_store, "ACQUIRE_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(postgres_store, "POOL_TIMEOUT_SECONDS", 0.2)
     store = open_direct_store(postgresql_url, pool_size=1)
     try:
         assert await store.find_connection(ISSUER, "alice", "demo", "mcp") is None  # idle: taken

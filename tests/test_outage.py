@@ -37,8 +37,10 @@ from .support.clients import Browser, McpHttp, flow_id_from
 from .support.fake_github import FakeGitHub
 from .support.outage import DatabaseOutage
 
-DOWN_BOUND_SECONDS = 8.0  # SQLite: busy timeout (5 s); PostgreSQL: at once (connection refused)
-HANG_BOUND_SECONDS = 10.0  # statement timeout (5 s), or a ping (5 s) then a connect (3 s); + slack
+# SECURITY.md R5: during an outage, answers within 5 s. The broker stops waiting for a statement
+# or for SQLite's lock after 4 s (app/db.py); PostgreSQL refusing connections answers at once.
+ANSWER_BOUND_SECONDS = 5.0
+HANG_BOUND_SECONDS = 10.0  # how long the test waits for those answers before it gives up
 PROBE_BOUND_SECONDS = 1.0  # /healthz while the database hangs; answers in milliseconds
 RECOVERY_SECONDS = 10.0
 STOP_BOUND_SECONDS = 10.0  # a clean exit takes well under a second; BrokerProcess.stop kills at 10
@@ -103,7 +105,7 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     assert answer.status_code == 503, answer.text
     assert answer.headers["retry-after"] == "5"
     assert answer.json()["error"]["code"] == -32603
-    assert took < DOWN_BOUND_SECONDS
+    assert took < ANSWER_BOUND_SECONDS
     assert health.status_code == 200
     assert ready.status_code == (200 if database_kind() == "sqlite" else 503)
     assert recovered < RECOVERY_SECONDS
@@ -140,7 +142,7 @@ async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_
     outage_stack: OutageStack,
 ) -> None:
     """A tool call (the direct store) and a form post (the ORM session; declining a flow)
-    started while the database hangs both get their "unavailable" answer in bounded time and
+    started while the database hangs both get their "unavailable" answer within 5 s (R5) and
     change nothing; /healthz, which needs no database, keeps answering at once meanwhile; both
     work again once the database answers."""
     stack, outage = outage_stack.stack, outage_stack.outage
@@ -174,7 +176,7 @@ async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_
     assert answer.headers["retry-after"] == "5"
     assert answer.json()["error"]["code"] == -32603
     assert shown.status_code == 503 and "Temporarily unavailable" in shown.text
-    assert call_seconds < HANG_BOUND_SECONDS and page_seconds < HANG_BOUND_SECONDS
+    assert call_seconds < ANSWER_BOUND_SECONDS and page_seconds < ANSWER_BOUND_SECONDS
     assert len(probes) >= 2
     assert all(status == 200 and took < PROBE_BOUND_SECONDS for status, took in probes), probes
     assert recovered < RECOVERY_SECONDS

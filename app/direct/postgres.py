@@ -18,6 +18,12 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from app.db import (
+    CONNECT_TIMEOUT_SECONDS,
+    POOL_TIMEOUT_SECONDS,
+    SERVER_STATEMENT_TIMEOUT_MS,
+    STATEMENT_WAIT_SECONDS,
+)
 from app.direct.batching import LoopBatcher
 from app.direct.records import (
     ConnectionRecord,
@@ -38,9 +44,6 @@ FlowAndConnection = tuple[FlowRecord, ConnectionRecord | None]
 ServiceAndConnection = tuple[ServiceRecord, ConnectionRecord | None]
 
 OPEN_STATUSES = [str(status) for status in OPEN_FLOW_STATUSES]
-ACQUIRE_TIMEOUT_SECONDS = 3
-CONNECT_TIMEOUT_SECONDS = 3
-STATEMENT_TIMEOUT_SECONDS = 5
 CLOSE_TIMEOUT_SECONDS = 3
 
 UNAVAILABLE = (
@@ -158,9 +161,9 @@ class PostgresStore:
                         reset=_keep_session,
                         max_inactive_connection_lifetime=0,
                         timeout=CONNECT_TIMEOUT_SECONDS,
-                        command_timeout=STATEMENT_TIMEOUT_SECONDS,
+                        command_timeout=STATEMENT_WAIT_SECONDS,
                         server_settings={
-                            "statement_timeout": str(STATEMENT_TIMEOUT_SECONDS * 1000),
+                            "statement_timeout": str(SERVER_STATEMENT_TIMEOUT_MS),
                             "application_name": "connect-broker",
                         },
                     )
@@ -171,7 +174,7 @@ class PostgresStore:
             pool = await self._get_pool()
             # Waiting for a busy pool is bounded. Taking an idle connection never waits, so it
             # skips the timeout, whose setup costs a good part of a short statement's CPU.
-            timeout = None if pool.get_idle_size() else ACQUIRE_TIMEOUT_SECONDS
+            timeout = None if pool.get_idle_size() else POOL_TIMEOUT_SECONDS
             async with pool.acquire(timeout=timeout) as connection:
                 try:
                     return await use(connection)

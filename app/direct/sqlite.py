@@ -4,7 +4,8 @@ These statements take tens of microseconds on a local WAL database, less than ha
 worker thread would. Readers never wait under WAL; a writer can find the write lock held by another
 connection (a SQLAlchemy transaction, the CLI). The loop's connection therefore never waits
 (`busy_timeout = 0`): when SQLite answers "busy", the work is retried on a worker thread that may
-wait the usual five seconds, and the event loop keeps serving other requests meanwhile.
+wait for the lock (as long as app/db.py's statement bound), and the event loop keeps serving other
+requests meanwhile.
 
 Writes are group-committed: inserts issued during one turn of the event loop share one
 transaction, committed on the next turn (a commit costs more than the insert itself). Each insert
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from app.db import STATEMENT_WAIT_SECONDS
 from app.direct.batching import LoopBatcher
 from app.direct.records import (
     ConnectionRecord,
@@ -42,7 +44,7 @@ from app.direct.records import (
 
 T = TypeVar("T")
 
-WAIT_FOR_LOCK_MS = 5000
+WAIT_FOR_LOCK_MS = STATEMENT_WAIT_SECONDS * 1000
 CHECKPOINT_DELAY_SECONDS = 1.0
 BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
