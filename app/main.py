@@ -217,8 +217,8 @@ def create_app(
 async def _purge_forever(runtime: Runtime) -> None:
     while True:
         try:
+            expired, deleted = await flows.purge(runtime.sessionmaker)
             async with runtime.sessionmaker.begin() as session:
-                expired, deleted = await flows.purge(session)
                 await runtime.browser_sessions.purge(session)
             if expired or deleted:
                 logger.info("flows.purged expired=%d deleted=%d", expired, deleted)

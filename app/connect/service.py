@@ -11,11 +11,13 @@ that principal can read or move it. Flow ids are 256-bit random and carry no aut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import Delete, Select, Update, delete, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.sql.elements import ColumnElement
 
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
@@ -26,6 +28,7 @@ from app.models import BROKER_AUDIENCE, DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, 
 MAX_OPEN_FLOWS_PER_USER = 20
 PURGE_AFTER = timedelta(days=1)
 EXCHANGE_LEASE = timedelta(seconds=60)
+PURGE_CHUNK = 1000  # rows per sweeper statement: tens of milliseconds, on either database
 
 
 class TooManyOpenFlows(Exception):
@@ -220,34 +223,70 @@ async def mark_consumed(session: AsyncSession, *, flow_id: str, principal: Princ
     )
 
 
-async def purge(session: AsyncSession) -> tuple[int, int]:
-    """Expire open flows past their expiry (dropping their secrets), delete old ones."""
+async def purge(sessions: async_sessionmaker[AsyncSession]) -> tuple[int, int]:
+    """Expire open flows past their expiry (dropping their secrets), delete old ones.
+
+    In chunks of PURGE_CHUNK rows, each its own transaction: a backlog (a flood of flows, a
+    sweeper that was down) never becomes one statement that outlasts the statement timeout and
+    fails every minute, nor holds SQLite's write lock for seconds. Returns (expired, deleted).
+    """
     now = utcnow()
-    expired = await session.execute(
-        update(Flow)
-        .where(Flow.status.in_(OPEN_FLOW_STATUSES), Flow.expires_at <= now)
-        .values(
-            status=FlowStatus.expired, updated_at=now, state_digest=None, sealed_pkce_verifier=None
-        )
-        .execution_options(synchronize_session=False)
+    is_open = (Flow.status.in_(OPEN_FLOW_STATUSES), Flow.expires_at <= now)
+    expired = await _in_chunks(
+        sessions,
+        lambda chunk: (
+            update(Flow)
+            .where(Flow.id.in_(chunk))
+            .values(
+                status=FlowStatus.expired,
+                updated_at=now,
+                state_digest=None,
+                sealed_pkce_verifier=None,
+            )
+        ),
+        is_open,
     )
     # a process that died mid-exchange leaves `exchanging`: after the lease, let the user retry
-    await session.execute(
-        update(Flow)
-        .where(Flow.status == FlowStatus.exchanging, Flow.updated_at <= now - EXCHANGE_LEASE)
-        .values(
-            status=FlowStatus.pending,
-            updated_at=now,
-            failure="interrupted",
-            sealed_pkce_verifier=None,
+    async with sessions.begin() as session:
+        await session.execute(
+            update(Flow)
+            .where(Flow.status == FlowStatus.exchanging, Flow.updated_at <= now - EXCHANGE_LEASE)
+            .values(
+                status=FlowStatus.pending,
+                updated_at=now,
+                failure="interrupted",
+                sealed_pkce_verifier=None,
+            )
+            .execution_options(synchronize_session=False)
         )
-        .execution_options(synchronize_session=False)
-    )
     # every status named: the (status, expires_at) index then serves the delete as one range per
     # status; `expires_at` alone leads no index, and the table would be scanned every minute
-    deleted = await session.execute(
-        delete(Flow)
-        .where(Flow.status.in_(tuple(FlowStatus)), Flow.expires_at <= now - PURGE_AFTER)
-        .execution_options(synchronize_session=False)
+    is_old = (Flow.status.in_(tuple(FlowStatus)), Flow.expires_at <= now - PURGE_AFTER)
+    deleted = await _in_chunks(
+        sessions, lambda chunk: delete(Flow).where(Flow.id.in_(chunk)), is_old
     )
-    return int(getattr(expired, "rowcount", 0)), int(getattr(deleted, "rowcount", 0))
+    return expired, deleted
+
+
+async def _in_chunks(
+    sessions: async_sessionmaker[AsyncSession],
+    statement: Callable[[Select[str]], Update | Delete],
+    condition: tuple[ColumnElement[bool], ...],
+) -> int:
+    """Run `statement` on the flows matching `condition`, PURGE_CHUNK at a time; rows changed.
+
+    `statement` gets the chunk as a subquery of ids. The subquery locks its rows (PostgreSQL;
+    SQLite runs one writer): a flow that another transaction moves meanwhile is read again and
+    dropped if it no longer matches, one locked by a transaction still running is skipped.
+    """
+    chunk = select(Flow.id).where(*condition).limit(PURGE_CHUNK).with_for_update(skip_locked=True)
+    total = 0
+    while True:
+        async with sessions.begin() as session:
+            result = await session.execute(
+                statement(chunk).execution_options(synchronize_session=False)
+            )
+        changed = int(getattr(result, "rowcount", 0))
+        total += changed
+        if changed < PURGE_CHUNK:
+            return total

@@ -24,7 +24,7 @@ from typing import Any
 import httpx2
 import pytest
 from sqlalchemy import update
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from app.clock import utcnow
 from app.connect.service import EXCHANGE_LEASE, purge
@@ -247,8 +247,7 @@ async def _sweep_after_lease(db: AsyncEngine, flow_id: str) -> None:
             .where(Flow.id == flow_id)
             .values(updated_at=utcnow() - EXCHANGE_LEASE - timedelta(seconds=1))
         )
-    async with AsyncSession(db) as session, session.begin():
-        await purge(session)
+    await purge(async_sessionmaker(db))
 
 
 async def _status(db: AsyncEngine, flow_id: str) -> str | None:

@@ -24,10 +24,11 @@ import httpx2
 import pytest
 import time_machine
 from sqlalchemy import event, text, update
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from app.auth.browser import BrowserSessions
 from app.auth.principal import McpCaller, Principal
+from app.connect import service as flow_service
 from app.connect.service import purge
 from app.crypto import Keyring, generate_key
 from app.mcp.request_state import RequestStateCodec, arguments_digest
@@ -776,8 +777,7 @@ def _bulk_flow(subject: str, status: str, expires_at: datetime) -> Flow:
 
 
 async def _purge(db: AsyncEngine) -> tuple[int, int]:
-    async with AsyncSession(db) as session, session.begin():
-        return await purge(session)
+    return await purge(async_sessionmaker(db))
 
 
 async def _statuses(db: AsyncEngine, subject: str) -> dict[str, int]:
@@ -822,12 +822,49 @@ async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_s
     assert await count_rows(db, "flows", subject=subject) == 0
 
 
+async def test_j7_sweeper_works_through_a_backlog_in_chunks_of_their_own(
+    db: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J7 after a flood: a backlog larger than one chunk is worked through in one run, a chunk
+    per statement and per transaction, so none of them outlasts the statement timeout or holds
+    SQLite's write lock for long."""
+    monkeypatch.setattr(flow_service, "PURGE_CHUNK", 10)
+    subject = fresh_user("j7-backlog")
+    now = datetime.now(UTC)
+    async with AsyncSession(db) as session, session.begin():
+        session.add_all(
+            [_bulk_flow(subject, FlowStatus.pending, now - timedelta(minutes=1)) for _ in range(25)]
+        )
+    commits: list[Any] = []
+
+    def record(connection: Any) -> None:
+        commits.append(connection)
+
+    event.listen(db.sync_engine, "commit", record)
+    try:
+        expired, _ = await _purge(db)
+    finally:
+        event.remove(db.sync_engine, "commit", record)
+    assert expired == 25
+    assert await _statuses(db, subject) == {FlowStatus.expired: 25}
+    # 10 + 10 + 5 expired, the lease update, one (empty) delete chunk
+    assert len(commits) == 5, commits
+
+
 async def test_j7_sweeper_statements_are_served_by_indexes(db: AsyncEngine) -> None:
     """J7 at volume: the sweeper runs every minute over a table holding a day of flows, so none
-    of its statements may read a whole table or a whole index. Each statement it sends is
-    explained on the same database: SQLite must SEARCH (an index entered by its leading column),
-    never SCAN; PostgreSQL, told to avoid sequential scans, must use indexes whose leading column
-    is in the index condition (a condition on a later column alone reads the whole index)."""
+    of its statements may read a whole table or a whole index. With flows to expire and to
+    delete, each statement it sends (the chunk reads and the writes) is explained on the same
+    database: SQLite must SEARCH (an index entered by its leading column), never SCAN;
+    PostgreSQL, told to avoid sequential scans, must use indexes whose leading column is in the
+    index condition (a condition on a later column alone reads the whole index)."""
+    subject = fresh_user("j7-plans")
+    now = datetime.now(UTC)
+    async with AsyncSession(db) as session, session.begin():
+        session.add_all(
+            [_bulk_flow(subject, FlowStatus.pending, now - timedelta(minutes=1)) for _ in range(3)]
+            + [_bulk_flow(subject, FlowStatus.consumed, now - timedelta(days=2)) for _ in range(3)]
+        )
     sent: list[tuple[str, Any]] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
@@ -838,16 +875,22 @@ async def test_j7_sweeper_statements_are_served_by_indexes(db: AsyncEngine) -> N
     )
     event.listen(db.sync_engine, "before_cursor_execute", record)
     try:
+        await purge(async_sessionmaker(db))
         async with AsyncSession(db) as session, session.begin():
-            await purge(session)
             await sessions.purge(session)
     finally:
         event.remove(db.sync_engine, "before_cursor_execute", record)
     writes = [
         (sql, params) for sql, params in sent if sql.lstrip().startswith(("UPDATE", "DELETE"))
     ]
+    # expiring (a chunk), the lease update, deleting (a chunk), the login sessions' delete
     assert len(writes) == 4, sent
+    assert await count_rows(db, "flows", subject=subject) == 3
 
+    # A chunk's write finds its rows by primary key, not by the chunk's own condition again
+    # (which would read the whole backlog for every chunk).
+    chunked = [sql for sql, _ in writes if "IN (SELECT" in sql]
+    assert len(chunked) == 2, writes
     async with db.begin() as connection:
         if db.dialect.name == "postgresql":
             await connection.exec_driver_sql("SET LOCAL enable_seqscan = off")
@@ -860,13 +903,18 @@ async def test_j7_sweeper_statements_are_served_by_indexes(db: AsyncEngine) -> N
                     assert node["Node Type"] != "Seq Scan", (sql, node)
                     leading = await _pg_leading_column(connection, node["Index Name"])
                     assert re.search(rf"\b{leading}\b", node.get("Index Cond", "")), (sql, node)
+                if sql in chunked:
+                    assert any(node["Index Name"] == "pk_flows" for node in scans), (sql, scans)
         else:
             for sql, params in writes:
                 steps = [
                     row[-1]
                     for row in await connection.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)
+                    if not row[-1].startswith("LIST SUBQUERY")  # the chunk's ids, not a read
                 ]
                 assert steps and all(step.startswith("SEARCH ") for step in steps), (sql, steps)
+                if sql in chunked:
+                    assert "SEARCH flows USING INDEX sqlite_autoindex_flows_1 (id=?)" in steps
 
 
 def _pg_scans(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
