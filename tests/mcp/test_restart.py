@@ -1,7 +1,7 @@
 """J6: the broker killed with SIGKILL mid-flow and started again on the same configuration and
 database (SECURITY.md §J), in each state a flow waits in: pending and completed (an API key),
 authorizing and exchanging (OAuth); J3 and J4: killed during the exchange, and once the exchange
-is committed but its answer has not reached the browser.
+is committed but its answer has not reached the browser; R3: 20 flows in each state at once.
 
 A flow's state lives in the database, and what the client and the browser hold was derived from
 the configured keys: the client's requestState, the browser's session cookie and the form's CSRF
@@ -34,10 +34,12 @@ from app.models import Flow
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..connect import Stack, dedicated_stack, unique
 from ..oauth.helpers import (
+    Opened,
     approve_at_provider,
     arm,
     deliver,
     local,
+    open_flow,
     retry_connect,
     start_at_broker,
 )
@@ -224,6 +226,135 @@ async def test_j4_oauth_flow_killed_after_the_commit_before_the_browser_has_the_
     assert fake.token_calls == 1
 
 
+FLOWS_PER_STATE = 20
+SETUP_CONCURRENCY = 10
+
+
+@dataclasses.dataclass
+class Journey:
+    """One user's OAuth flow, taken up to the state it is in when the broker dies."""
+
+    user: str
+    token: str
+    browser: Browser
+    opened: Opened | None = None
+    authorize_url: str | None = None
+    callback_url: str | None = None
+
+
+async def test_r3_kill_9_with_20_flows_in_each_state_every_flow_finishes_once(
+    stack: tuple[Stack, FakeGitHub], clients: Clients
+) -> None:
+    """R3: 20 OAuth flows in each state a flow waits in (pending; authorizing, the browser at
+    GitHub; before the claim, the callback not yet delivered; exchanging, the token endpoint
+    holding its answer; after the commit, the retry not yet made), then one SIGKILL and a
+    restart. Flows killed in any state but `exchanging` finish with nothing but the user's next
+    step; the `exchanging` ones are handed back once the lease has passed, the retry gets the
+    same URL, and the user's second attempt connects. In the end all 100 flows are consumed
+    (none stuck), each user has one connection row, and GitHub saw exactly one token call per
+    flow plus the 20 that were cut short."""
+    broker_stack, fake = stack
+    broker, mcp, db = broker_stack.broker, clients.mcp, clients.db
+    limit = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+    async def begin(state: str, n: int) -> Journey:
+        user = unique(f"r3-{state}-{n}")
+        journey = Journey(user, broker_stack.token(user), Browser(broker.url))
+        async with limit:
+            await _take_to(state, journey, mcp)
+        return journey
+
+    journeys = {
+        state: list(await asyncio.gather(*(begin(state, n) for n in range(FLOWS_PER_STATE))))
+        for state in ("pending", "authorizing", "before_claim", "committed", "exchanging")
+    }
+    fake.sticky_faults, fake.token_fault = True, "timeout"  # every token call holds its answer
+    exchanging = journeys["exchanging"]
+    delivering = [
+        asyncio.create_task(deliver(journey.browser, journey.callback_url or ""))
+        for journey in exchanging
+    ]
+    deadline = time.monotonic() + CLAIM_SECONDS
+    while time.monotonic() < deadline and await _statuses(db, exchanging) != {"exchanging"}:
+        await asyncio.sleep(0.05)
+    assert await _statuses(db, exchanging) == {"exchanging"}
+    assert fake.token_calls == 2 * FLOWS_PER_STATE  # the committed ones, the held ones
+
+    await crash_and_restart(broker)
+    fake.sticky_faults, fake.token_fault = False, None
+    for task in delivering:
+        with contextlib.suppress(httpx2.HTTPError):
+            await task  # each connection died with the broker
+
+    assert await _statuses(db, journeys["committed"]) == {"completed"}
+    assert await _statuses(db, exchanging) == {"exchanging"}
+    for journey in exchanging:
+        assert await count_rows(db, "connections", subject=journey.user) == 0
+    await _sweep_after_lease(db, *(_flow_id(journey) for journey in exchanging))
+
+    async def finish(state: str, journey: Journey) -> None:
+        async with limit:
+            await _finish(state, journey, mcp)
+
+    await asyncio.gather(
+        *(finish(state, journey) for state, group in journeys.items() for journey in group)
+    )
+
+    everyone = [journey for group in journeys.values() for journey in group]
+    assert await _statuses(db, everyone) == {"consumed"}
+    for journey in everyone:
+        assert await count_rows(db, "connections", subject=journey.user, provider="github") == 1
+    # one exchange per flow, and the 20 cut short: no code was ever spent twice
+    assert fake.token_calls == 6 * FLOWS_PER_STATE
+
+
+async def _take_to(state: str, journey: Journey, mcp: McpHttp) -> None:
+    """Round 1, then as far as `state`: login and start at the broker, approval at GitHub, the
+    callback delivered (`committed`; `exchanging` delivers it later, with GitHub holding)."""
+    if state == "pending":
+        journey.opened = await open_flow(mcp, journey.token)
+        return
+    armed = await arm(mcp, journey.browser, journey.token, journey.user)
+    journey.opened, journey.authorize_url = armed.opened, armed.authorize_url
+    if state == "authorizing":
+        return
+    journey.callback_url = await approve_at_provider(journey.browser.http, armed.authorize_url)
+    if state == "committed":
+        assert (await deliver(journey.browser, journey.callback_url)).status_code == 303
+
+
+async def _finish(state: str, journey: Journey, mcp: McpHttp) -> None:
+    """The user's next steps after the restart, up to the retry that returns `connected`."""
+    assert journey.opened is not None
+    opened = journey.opened
+    if state == "pending":
+        await journey.browser.login_as(journey.user, next_path=f"/connect/{opened.flow_id}")
+    if state == "exchanging":  # handed back: the retry re-issues the same URL
+        again = _input_required(await retry_connect(mcp, journey.token, opened), opened.flow_id)
+        opened = dataclasses.replace(opened, request_state=again["result"]["requestState"])
+    if state in ("pending", "exchanging"):  # (again) from the consent page
+        journey.authorize_url = await start_at_broker(journey.browser, opened.flow_id)
+        journey.callback_url = None
+    if state != "committed":
+        journey.callback_url = journey.callback_url or await approve_at_provider(
+            journey.browser.http, journey.authorize_url or ""
+        )
+        callback = await deliver(journey.browser, journey.callback_url)
+        assert callback.status_code == 303, (state, callback.text)
+    result = tool_result(await retry_connect(mcp, journey.token, opened))
+    assert result["structuredContent"]["status"] == "connected", (state, result)
+    await journey.browser.aclose()
+
+
+def _flow_id(journey: Journey) -> str:
+    assert journey.opened is not None
+    return journey.opened.flow_id
+
+
+async def _statuses(db: AsyncEngine, journeys: list[Journey]) -> set[str | None]:
+    return {await _status(db, _flow_id(journey)) for journey in journeys}
+
+
 def _user(stack: Stack, label: str) -> tuple[BrokerProcess, str, str]:
     user = unique(label)
     return stack.broker, stack.token(user), user
@@ -239,12 +370,12 @@ def _input_required(response: httpx2.Response, flow_id: str) -> dict[str, Any]:
     return body
 
 
-async def _sweep_after_lease(db: AsyncEngine, flow_id: str) -> None:
-    """The sweeper's run once the exchange lease has passed (the flow's last write moved back)."""
+async def _sweep_after_lease(db: AsyncEngine, *flow_ids: str) -> None:
+    """The sweeper's run once the exchange lease has passed (the flows' last write moved back)."""
     async with db.begin() as connection:
         await connection.execute(
             update(Flow)
-            .where(Flow.id == flow_id)
+            .where(Flow.id.in_(flow_ids))
             .values(updated_at=utcnow() - EXCHANGE_LEASE - timedelta(seconds=1))
         )
     await purge(async_sessionmaker(db))
