@@ -19,6 +19,12 @@ from app.config import (
 from app.crypto import generate_key
 from app.logsetup import configure_logging
 
+# How long an idle HTTP connection stays open. uvicorn's default (5 s) equals httpx's default
+# keep-alive expiry, the client of the official MCP Python SDK: a call made about 5 s after the
+# previous one could go out on a connection the broker was closing, and fail with a read error.
+# Longer than common load balancers' idle timeouts (60 s) for the same reason.
+KEEP_ALIVE_SECONDS = 65
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
@@ -105,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         server_header=False,
         log_config=None,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     return 0
 
@@ -253,6 +260,7 @@ def _dev(args: argparse.Namespace) -> int:
         access_log=False,
         log_config=None,
         server_header=False,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     return 0
 

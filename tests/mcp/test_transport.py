@@ -9,6 +9,7 @@ answered 400 with -32700/-32600 and no id; header and _meta problems are 400 (-3
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -586,3 +587,25 @@ async def test_b20_notification_has_no_side_effect(
     assert response.status_code == 202
     assert response.content == b""
     assert await flows_of(db, user) == 0
+
+
+async def test_an_idle_connection_stays_open_past_the_clients_keep_alive_expiry(
+    broker: BrokerProcess,
+) -> None:
+    """A client that reuses its connection after 6 s idle (httpx, the MCP SDK's client, keeps one
+    for 5 s) gets its answer: the broker does not close it meanwhile (app/cli.py)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", broker.config.port)
+    request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{broker.config.port}\r\n\r\n".encode()
+    try:
+        answers = []
+        for pause in (0, 6):
+            await asyncio.sleep(pause)
+            writer.write(request)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            answers.append(head.split(b"\r\n")[0])
+    finally:
+        writer.close()
+    assert answers == [b"HTTP/1.1 200 OK"] * 2
