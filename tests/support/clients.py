@@ -13,6 +13,11 @@ import httpx2
 from .idp import idp_login
 
 PROTOCOL_VERSION = "2026-07-28"
+# Idle connections are dropped after 2 s: the test IdP (node) and the fake GitHub (uvicorn) close
+# theirs after 5 s, httpx's default expiry, and a request sent on one just as it closes fails.
+CLIENT_LIMITS = httpx2.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0
+)
 URL_CAPS: dict[str, Any] = {"elicitation": {"url": {}, "form": {}}}
 _ids = itertools.count(1)
 
@@ -64,7 +69,7 @@ class McpHttp:
 
     def __init__(self, mcp_url: str) -> None:
         self.mcp_url = mcp_url
-        self.http = httpx2.AsyncClient(timeout=60, trust_env=False)
+        self.http = httpx2.AsyncClient(timeout=60, trust_env=False, limits=CLIENT_LIMITS)
 
     async def post(
         self,
@@ -119,7 +124,9 @@ class Browser:
     def __init__(self, broker_url: str) -> None:
         self.broker_url = broker_url
         self.cookies: dict[str, str] = {}
-        self.http = httpx2.AsyncClient(timeout=30, trust_env=False, follow_redirects=False)
+        self.http = httpx2.AsyncClient(
+            timeout=30, trust_env=False, follow_redirects=False, limits=CLIENT_LIMITS
+        )
 
     def _absorb(self, response: httpx2.Response) -> httpx2.Response:
         for header in response.headers.get_list("set-cookie"):
