@@ -37,11 +37,11 @@ from ..oauth.helpers import (
     Opened,
     approve_at_provider,
     arm,
+    connect,
     deliver,
     local,
     open_flow,
     retry_connect,
-    start_at_broker,
 )
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
@@ -172,8 +172,7 @@ async def test_j3_oauth_flow_killed_during_the_exchange_can_be_started_again_aft
     waited = await retry_connect(mcp, token, armed.opened)
     body = _input_required(waited, armed.flow_id)
 
-    again = await approve_at_provider(browser.http, await start_at_broker(browser, armed.flow_id))
-    callback = await deliver(browser, again)
+    _, callback = await connect(browser, armed.flow_id)
     assert callback.status_code == 303, callback.text
     reissued = dataclasses.replace(armed.opened, request_state=body["result"]["requestState"])
     result = tool_result(await retry_connect(mcp, token, reissued))
@@ -333,13 +332,13 @@ async def _finish(state: str, journey: Journey, mcp: McpHttp) -> None:
         again = _input_required(await retry_connect(mcp, journey.token, opened), opened.flow_id)
         opened = dataclasses.replace(opened, request_state=again["result"]["requestState"])
     if state in ("pending", "exchanging"):  # (again) from the consent page
-        journey.authorize_url = await start_at_broker(journey.browser, opened.flow_id)
-        journey.callback_url = None
-    if state != "committed":
-        journey.callback_url = journey.callback_url or await approve_at_provider(
+        _, callback = await connect(journey.browser, opened.flow_id)
+        assert callback.status_code == 303, (state, callback.text)
+    elif state != "committed":  # at GitHub, or back from it with the callback not delivered
+        back = journey.callback_url or await approve_at_provider(
             journey.browser.http, journey.authorize_url or ""
         )
-        callback = await deliver(journey.browser, journey.callback_url)
+        callback = await deliver(journey.browser, back)
         assert callback.status_code == 303, (state, callback.text)
     result = tool_result(await retry_connect(mcp, journey.token, opened))
     assert result["structuredContent"]["status"] == "connected", (state, result)
