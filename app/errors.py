@@ -160,6 +160,16 @@ class InternalError(BrokerError):
     next_step = "Try again; if it keeps happening, tell your administrator the reference."
 
 
+async def on_client_disconnect(request: Request, _exc: Exception) -> Response:
+    """The client went away before its request body arrived (a closed tab, a dropped link).
+
+    Nobody reads the answer and nothing failed on our side: an info line, no traceback. The
+    request's database session is rolled back as on any other error (app/db.py `get_session`).
+    """
+    logger.info("request.client_disconnected rid=%s", getattr(request.state, "request_id", ""))
+    return Response(status_code=400)
+
+
 async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error rid=%s", getattr(request.state, "request_id", ""))
     return render_error(request, InternalError())

@@ -12,7 +12,7 @@ import httpx2
 from fastapi import FastAPI
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -33,6 +33,7 @@ from app.errors import (
     DATABASE_ERRORS,
     BrokerError,
     on_broker_error,
+    on_client_disconnect,
     on_database_error,
     on_http_exception,
     on_unexpected_error,
@@ -201,6 +202,7 @@ def create_app(
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     for error in DATABASE_ERRORS:
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
 
-from ..support.broker import BrokerProcess
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
 from . import (
     Stack,
@@ -472,3 +472,39 @@ async def test_g9_double_submit_stores_one_connection_and_completes_once(
     assert (await flow_snapshot(db, flow_id))["status"] == "completed"
     stored = f"credential.stored flow_id={flow_id}"
     assert (await broker.wait_for_log(stored)).count(stored) == 1
+
+
+async def test_a_client_gone_before_its_form_arrived_is_logged_quietly_and_stores_nothing(
+    signed_in: tuple[str, str], browser: Browser, broker: BrokerProcess, db: AsyncEngine
+) -> None:
+    """A browser that closes the connection halfway through its form body (a closed tab): one
+    info line, no traceback, no error, and the flow is untouched."""
+    user, flow_id = signed_in
+    csrf = await browser.csrf_token(f"/connect/{flow_id}")
+    before = await flow_snapshot(db, flow_id)
+    log = LogWindow(broker)
+    body = f"csrf={csrf}&api_key={KEY}".encode()
+    host = broker.url.removeprefix("http://")
+    cookies = "; ".join(f"{name}={value}" for name, value in browser.cookies.items())
+    head = (
+        f"POST /connect/{flow_id}/api-key HTTP/1.1\r\nHost: {host}\r\n"
+        f"Origin: {broker.url}\r\nCookie: {cookies}\r\n"
+        "Content-Type: application/x-www-form-urlencoded\r\n"
+        f"Content-Length: {len(body) + 100}\r\n\r\n"
+    ).encode()
+
+    _, writer = await asyncio.open_connection("127.0.0.1", broker.config.port)
+    writer.write(head + body)  # 100 bytes short of what it announced, then gone
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    logged = await log.wait_for("request.client_disconnected")
+
+    (line,) = [line for line in logged.splitlines() if "request.client_disconnected" in line]
+    assert " INFO broker.errors request.client_disconnected rid=" in line
+    assert "Traceback" not in log.text()
+    assert "unexpected error" not in log.text()
+    assert "ERROR" not in log.text()
+    assert await connections_of(db, user) == []
+    assert await flow_snapshot(db, flow_id) == before
