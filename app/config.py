@@ -42,6 +42,15 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=16 * 1024 * 1024)
     login_max_age_seconds: int = Field(default=12 * 3600, ge=60)
     session_ttl_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
+    # GET /metrics answers only a scrape presenting this bearer token; unset, it answers 404
+    metrics_token: SecretStr | None = None
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _metrics_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+        return value
 
     @field_validator("public_url")
     @classmethod

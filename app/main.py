@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import login
@@ -45,6 +45,8 @@ from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
+from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from app.metrics import scrape_allowed
 from app.middleware import AccessLog, HostGuard
 from app.resources import resource_dir
 from app.runtime import Runtime
@@ -55,7 +57,9 @@ ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the databa
 PURGE_INTERVAL_SECONDS = 60
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
-PROBE_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH})  # answered whatever the Host header
+METRICS_PATH = "/metrics"
+# answered whatever the Host header: probes and scrapes address the process by its own address
+ANY_HOST_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, METRICS_PATH})
 
 
 def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
@@ -193,6 +197,7 @@ def create_app(
         app.add_api_route(path, _resource_metadata, include_in_schema=False)
     app.add_api_route(LIVENESS_PATH, _healthz, include_in_schema=False)
     app.add_api_route(READINESS_PATH, _readyz, include_in_schema=False)
+    app.add_api_route(METRICS_PATH, _metrics, include_in_schema=False)
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.include_router(login.router)
     app.include_router(pages.router)
@@ -207,11 +212,15 @@ def create_app(
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)
     hosts = allowed_hosts(settings)
-    app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=PROBE_PATHS)
-    app.add_middleware(AccessLog)
-    app.mcp_stack = AccessLog(HostGuard(_mcp_asgi, allowed_hosts=hosts))
+    app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=ANY_HOST_PATHS)
+    app.add_middleware(AccessLog, metrics=runtime.metrics)
+    app.mcp_stack = AccessLog(
+        HostGuard(_mcp_asgi, allowed_hosts=hosts), runtime.metrics, route="/mcp"
+    )
     app.credential_stack = AccessLog(
-        HostGuard(credential_fetch.credential_fetch, allowed_hosts=hosts)
+        HostGuard(credential_fetch.credential_fetch, allowed_hosts=hosts),
+        runtime.metrics,
+        route=credential_fetch.ROUTE,
     )
     return app
 
@@ -254,6 +263,26 @@ async def _readyz(request: Request) -> Response:
     except (*DATABASE_ERRORS, OSError, TimeoutError):
         return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
     return JSONResponse({"status": "ready"})
+
+
+async def _metrics(request: Request) -> Response:
+    """Prometheus text format, for a scrape presenting `[server] metrics_token`; without one
+    configured the path does not exist."""
+    runtime: Runtime = request.app.state.runtime
+    token = runtime.settings.server.metrics_token
+    if token is None:
+        raise StarletteHTTPException(404)
+    if not scrape_allowed(request.headers.get("authorization"), token.get_secret_value()):
+        return PlainTextResponse(
+            "Metrics need the bearer token configured as [server] metrics_token.\n",
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
+        )
+    return Response(
+        runtime.metrics.render(),
+        media_type=METRICS_CONTENT_TYPE,
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 async def _stylesheet() -> Response:

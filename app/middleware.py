@@ -13,6 +13,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
+
 access_logger = logging.getLogger("broker.access")
 # Request ids correlate log lines and error pages; they carry no authority, so a random tag per
 # process and a counter do (no random draw per request).
@@ -72,10 +74,16 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
 
 
 class AccessLog:
-    """One line per request: method, path (never the query), status, milliseconds, request id."""
+    """One line per request: method, path (never the query), status, milliseconds, request id;
+    and the request counted in `metrics`, under `route` or else the template of the route that
+    answered it (Starlette's router leaves it in the scope)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: BrokerMetrics | None = None, route: str | None = None
+    ) -> None:
         self.app = app
+        self.metrics = metrics
+        self.route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,15 +103,23 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
+            seconds = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.request(self.route or _route(scope), scope["method"], status, seconds)
             if access_logger.isEnabledFor(logging.INFO):
                 access_logger.info(
                     "%s %s %d %.1fms rid=%s",
                     scope["method"],
                     _safe_path(scope["path"]),
                     status,
-                    (time.perf_counter() - started) * 1000,
+                    seconds * 1000,
                     request_id,
                 )
+
+
+def _route(scope: Scope) -> str:
+    template = getattr(scope.get("route"), "path", None)
+    return template if isinstance(template, str) else UNMATCHED_ROUTE
 
 
 def _safe_path(path: str) -> str:

@@ -17,6 +17,7 @@ from app.crypto import Keyring
 from app.direct import DirectStore
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
+from app.metrics import BrokerMetrics
 
 security_log = logging.getLogger("broker.security")
 
@@ -44,6 +45,7 @@ class Runtime:
     server_info: dict[str, str] = field(
         default_factory=lambda: {"name": SERVER_NAME, "version": SERVER_VERSION}
     )
+    metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
 
     def provider_jwks(self, issuer: str) -> JwksCache:
         """Discovery and keys of a third-party OpenID provider, cached per issuer."""
@@ -56,3 +58,4 @@ class Runtime:
         """A security event: fixed name, identifiers only (never secrets or raw identities)."""
         details = " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
         security_log.warning("%s %s", event, details)
+        self.metrics.security_event(event)

@@ -97,6 +97,7 @@ def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
         ),
         (("[server]", "[server]\nretry_wait_seconds = -1"), "server.retry_wait_seconds"),
         (("[server]", "[server]\nunknown_key = 1"), "server.unknown_key"),
+        (("[server]", '[server]\nmetrics_token = "tok3n-too-brief"'), "server.metrics_token"),
         (('signing = ["', 'signing = ["x:tooshort", "'), "keys.signing"),
         (('pattern = "^sk_[a-z0-9]+$"', 'pattern = "(unclosed"'), "providers.demo.pattern"),
         (('kind = "api_key"', 'kind = "telepathy"'), "providers.demo.kind"),
@@ -113,6 +114,7 @@ def test_a_bad_value_is_refused_naming_the_key(
         load_for_serve()
 
     assert str(error.value).startswith(key)
+    assert "tok3n-too-brief" not in str(error.value)  # a refused secret is not echoed
 
 
 def test_serve_requires_an_issuer_and_keys(tmp_path: Path) -> None:

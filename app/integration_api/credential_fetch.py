@@ -34,6 +34,7 @@ from app.middleware import first_header
 from app.runtime import Runtime
 
 PREFIX = "/api/v1/credentials/"
+ROUTE = PREFIX + "{provider}"  # the FastAPI route's template, as metrics name it
 USER_KEY = (
     "connect_broker.user"  # the scope entry where the dispatcher leaves `user_query`'s answer
 )

@@ -84,6 +84,7 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             return Response(status_code=202)
         result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
+        runtime.metrics.mcp_error(exc.code)
         return _error(exc, message.id if message else None)
     except _HttpRefusal as refusal:
         return _json(refusal.body, refusal.status, refusal.headers)
@@ -97,12 +98,15 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             http_status=503,
             headers={"Retry-After": "5"},
         )
+        runtime.metrics.mcp_error(INTERNAL_ERROR)
         return _error(unavailable, message.id if message else None)
     except Exception:  # a bug: still answer in JSON-RPC, never with a page or a stack trace
         logger.exception("mcp.internal_error")
         failure = JsonRpcError(INTERNAL_ERROR, "Internal error", http_status=500)
+        runtime.metrics.mcp_error(INTERNAL_ERROR)
         return _error(failure, message.id if message else None)
     result["_meta"] = {META_SERVER_INFO: runtime.server_info}
+    runtime.metrics.mcp_result(message.method, str(result.get("resultType", "complete")))
     return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
 
 

@@ -1,0 +1,137 @@
+"""Prometheus metrics for `GET /metrics`: requests by route, latency, MCP outcomes, security
+events, and the process's own CPU, memory and file descriptors.
+
+Counting happens on the hot paths, so it is plain dictionary arithmetic on the event loop's thread
+(about a microsecond a request); prometheus_client only renders the text at scrape time. Every
+label value comes from a fixed set: route templates (`/connect/{flow_id}`, never the path itself,
+which would put flow ids in the metrics and let a client create series at will), known methods,
+status codes, result types and event names written in the code.
+
+Each process counts for itself: with `serve --workers N` a scrape reports the worker that answered
+it. Run one worker per replica and let Prometheus scrape each replica when exact totals matter.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+from collections import defaultdict
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNMATCHED_ROUTE = "unmatched"  # no route answered (404s, refused Hosts): never the raw path
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# seconds; the request bound (5 s, SECURITY.md R5) falls between the last two
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _Durations:
+    """One histogram series: counts per bucket (not yet cumulative) and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DURATION_BUCKETS) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        bounds = [*(repr(bound) for bound in DURATION_BUCKETS), "+Inf"]
+        running, cumulative = 0, []
+        for bound, count in zip(bounds, self.counts, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        return cumulative
+
+
+class BrokerMetrics(Collector):
+    """The broker's own counters, rendered with the process collectors of one registry."""
+
+    def __init__(self) -> None:
+        self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.durations: defaultdict[str, _Durations] = defaultdict(_Durations)
+        self.mcp_results: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.mcp_errors: defaultdict[str, int] = defaultdict(int)
+        self.security_events: defaultdict[str, int] = defaultdict(int)
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(self)
+
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """`route`: the matched route's template, or UNMATCHED_ROUTE."""
+        verb = method if method in METHODS else "other"
+        self.requests[route, verb, str(status)] += 1
+        self.durations[route].observe(seconds)
+
+    def mcp_result(self, method: str, result_type: str) -> None:
+        self.mcp_results[method, result_type] += 1
+
+    def mcp_error(self, code: int) -> None:
+        self.mcp_errors[str(code)] += 1
+
+    def security_event(self, event: str) -> None:
+        self.security_events[event] += 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "broker_http_requests",
+            "HTTP requests answered, by route template, method and status",
+            labels=("route", "method", "status"),
+        )
+        for (route, method, status), count in sorted(self.requests.items()):
+            requests.add_metric((route, method, status), count)
+        yield requests
+        durations = HistogramMetricFamily(
+            "broker_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer, by route template",
+            labels=("route",),
+        )
+        for route, series in sorted(self.durations.items()):
+            durations.add_metric((route,), series.buckets(), series.total)
+        yield durations
+        results = CounterMetricFamily(
+            "broker_mcp_results",
+            "MCP requests answered with a result, by method and resultType",
+            labels=("method", "result_type"),
+        )
+        for (method, result_type), count in sorted(self.mcp_results.items()):
+            results.add_metric((method, result_type), count)
+        yield results
+        errors = CounterMetricFamily(
+            "broker_mcp_errors", "MCP requests answered with a JSON-RPC error", labels=("code",)
+        )
+        for code, count in sorted(self.mcp_errors.items()):
+            errors.add_metric((code,), count)
+        yield errors
+        events = CounterMetricFamily(
+            "broker_security_events",
+            "Security events (the security log's event names), by event",
+            labels=("event",),
+        )
+        for event, count in sorted(self.security_events.items()):
+            events.add_metric((event,), count)
+        yield events
+
+
+def scrape_allowed(authorization: str | None, token: str) -> bool:
+    """Whether `Authorization` carries the configured scrape token (compared in constant time)."""
+    scheme, _, presented = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        presented.strip().encode(), token.encode()
+    )
