@@ -28,4 +28,4 @@ BROKER_TEST_DB=postgresql python3 -m pytest "$@"
 
 ruff check .
 ruff format --check .
-mypy --strict app
+mypy --strict app connect_broker_client tests bench examples migrations

@@ -55,8 +55,8 @@ async def test_calls_of_later_turns_make_later_batches_while_earlier_ones_run() 
     assert recorder.batches == [[1, 2], [3]]  # the second did not wait for the first to finish
 
     recorder.release.set()
-    assert await first == [2, 4]
-    assert await second == [6]
+    assert list(await first) == [2, 4]
+    assert list(await second) == [6]
 
 
 async def test_a_failed_item_fails_alone() -> None:

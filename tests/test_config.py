@@ -8,6 +8,7 @@ import pytest
 
 from app.config import ConfigError, load_settings, require_serve_ready
 from app.crypto import generate_key
+from app.providers.settings import ApiKeyProviderSettings
 
 from .support.broker import BrokerConfig, cli
 
@@ -177,4 +178,6 @@ def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
 
     settings = load_settings(write(tmp_path, config.render("sqlite:///x.db")), environ={})
 
-    assert settings.providers["demo"].validation is not None
+    provider = settings.providers["demo"]
+    assert isinstance(provider, ApiKeyProviderSettings)
+    assert provider.validation is not None

@@ -370,7 +370,11 @@ async def test_concurrent_reads_each_get_their_own_row(database: Database) -> No
     started = [await start_flow(database.store, subject) for subject in ("kim", "lee", "kim")]
 
     def key_of(row: ConnectionRecord | None) -> str | None:
-        return credentials.open_row(row, keys=KEYS)["api_key"] if row is not None else None
+        if row is None:
+            return None
+        secret = credentials.open_row(row, keys=KEYS)
+        assert secret is not None
+        return secret["api_key"]
 
     lookups = [("kim", "mcp"), ("lee", "mcp"), ("kim", "svc-a"), ("lee", "svc-b"), ("max", "mcp")]
     found = await asyncio.gather(
@@ -509,16 +513,18 @@ async def test_postgresql_sends_the_calls_of_one_loop_turn_as_one_statement(
         inserted = await asyncio.gather(
             *(store.insert_flow(new_flow(f"flow-{i}", f"u{i}"), max_open=20) for i in range(8))
         )
-        read = await asyncio.gather(
-            *(store.get_flow_and_connection(f"flow-{i}") for i in range(8)),
-            *(store.find_connection(ISSUER, f"u{i}", "demo", "mcp") for i in range(8)),
+        flows, connections = await asyncio.gather(  # one gather: all 16 in the same turn
+            asyncio.gather(*(store.get_flow_and_connection(f"flow-{i}") for i in range(8))),
+            asyncio.gather(
+                *(store.find_connection(ISSUER, f"u{i}", "demo", "mcp") for i in range(8))
+            ),
         )
     finally:
         await store.close()
 
     assert inserted == [True] * 8
-    assert [item[0].id if item else None for item in read[:8]] == [f"flow-{i}" for i in range(8)]
-    assert read[8:] == [None] * 8
+    assert [item[0].id if item else None for item in flows] == [f"flow-{i}" for i in range(8)]
+    assert connections == [None] * 8
     assert statements == [
         postgres_store.INSERT_FLOWS,
         postgres_store.GET_FLOWS_AND_CONNECTIONS,

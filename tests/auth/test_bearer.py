@@ -458,7 +458,11 @@ async def test_a7_algorithm_and_key_header_tricks_are_refused(
     trick: str,
 ) -> None:
     """A7. Fixed algorithm allow-list; keys only from the issuer's JWKS, never from the token."""
-    claims = {"issuer": idp.issuer, "audience": broker.mcp_url, "subject": fresh_user("a7")}
+    claims: dict[str, Any] = {
+        "issuer": idp.issuer,
+        "audience": broker.mcp_url,
+        "subject": fresh_user("a7"),
+    }
     attacker = attacker_site.jwk
     idp_kid = idp.signing_jwk["kid"]
     if trick == "alg-none":

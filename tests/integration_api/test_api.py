@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -333,7 +334,7 @@ async def test_k3_issuer_is_compared_exactly(
     assert await count_rows(db, "flows", subject=subject) == 0
 
 
-INVALID_REQUESTS = {
+INVALID_REQUESTS: dict[str, tuple[str, Callable[[Any], Any], list[str]]] = {
     "extra-field": (
         "require",
         lambda user: require_body(user, surprise="sk_CANARYKEY_echoed_back"),

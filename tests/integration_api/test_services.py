@@ -9,6 +9,7 @@ import base64
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -225,7 +226,7 @@ async def test_unknown_provider_in_the_providers_option_exits_2_naming_it(
 # K1: every request authenticates the service
 # ------------------------------------------------------------------------------------------------
 
-PRESENTED = {
+PRESENTED: dict[str, Callable[[str], str | None]] = {
     "missing": lambda secret: None,
     "unknown": lambda secret: "Bearer cbs_" + secrets.token_urlsafe(32),
     "no-prefix": lambda secret: "Bearer " + secret.removeprefix("cbs_"),

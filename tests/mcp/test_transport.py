@@ -25,7 +25,7 @@ from ..support.clients import McpHttp, request_body, request_headers
 from ..support.schema import validate, validate_response
 
 BROKER_TOOLS = {"connect_account", "list_connections", "disconnect_account", "list_providers"}
-URL_CAPABILITY = {"elicitation": {"url": {}}}
+URL_CAPABILITY: dict[str, Any] = {"elicitation": {"url": {}}}
 TWO_MIB = 2 * 1024 * 1024
 
 

@@ -16,9 +16,10 @@ SCHEMA_ID = "urn:mcp:2026-07-28"
 
 
 @cache
-def _registry() -> Registry:
-    document = json.loads(SCHEMA_PATH.read_text())
-    return Registry().with_resource(SCHEMA_ID, Resource.from_contents(document))
+def _registry() -> Registry[Any]:
+    document: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
+    registry: Registry[Any] = Registry().with_resource(SCHEMA_ID, Resource.from_contents(document))
+    return registry
 
 
 def validate(instance: Any, definition: str) -> None:
