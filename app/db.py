@@ -28,6 +28,8 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import ConnectionPoolEntry
 from starlette.requests import Request
 
+from app.sqlite_gate import gate_for, gate_transactions
+
 POOL_TIMEOUT_SECONDS = 3
 CONNECT_TIMEOUT_SECONDS = 3
 STATEMENT_WAIT_SECONDS = 4  # the client stops waiting for a statement, or for SQLite's lock
@@ -89,6 +91,9 @@ def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> Asy
             connect_args={"timeout": lock_wait},  # sqlite3's `timeout` is its busy timeout
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        if bounded and target.database and target.database != ":memory:":
+            gate = gate_for(target.database, STATEMENT_WAIT_SECONDS)
+            gate_transactions(engine, gate, busy_timeout=lock_wait)
         return engine
     statement_bounds: dict[str, Any] = {
         "command_timeout": STATEMENT_WAIT_SECONDS,

@@ -41,6 +41,7 @@ from app.direct.records import (
     flow_and_connection,
     service_and_connection,
 )
+from app.sqlite_gate import WriteTurnTimeout, gate_for
 
 T = TypeVar("T")
 
@@ -138,6 +139,7 @@ class SqliteStore:
         self._checkpoint: asyncio.TimerHandle | None = None
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
         self._waiter_local = threading.local()
+        self._gate = gate_for(path, STATEMENT_WAIT_SECONDS)  # shared with the engine's writers
 
     def _connect(self, busy_timeout_ms: int) -> sqlite3.Connection:
         connection = sqlite3.connect(
@@ -162,7 +164,11 @@ class SqliteStore:
             connection = self._waiter_local.connection = self._connect(WAIT_FOR_LOCK_MS)
         return connection
 
-    async def _run(self, use: Callable[[sqlite3.Connection], T]) -> T:
+    async def _run(
+        self, use: Callable[[sqlite3.Connection], T], wait_ms: int = WAIT_FOR_LOCK_MS
+    ) -> T:
+        """`use` on the loop's connection, or, if SQLite is busy, on the worker thread's, which
+        waits up to `wait_ms` for the lock."""
         try:
             try:
                 return use(self._on_loop())
@@ -170,7 +176,7 @@ class SqliteStore:
                 if not _is_busy(exc):
                     raise
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._waiter, lambda: use(self._on_waiter()))
+            return await loop.run_in_executor(self._waiter, lambda: use(self._waiting(wait_ms)))
         except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
             raise  # a constraint or a bug, not the database being unavailable
         except sqlite3.DatabaseError as exc:  # locked, I/O, full, corrupt, not a database …
@@ -181,7 +187,14 @@ class SqliteStore:
         return await self._writes.submit(_Write(statement, values))
 
     async def _commit(self, writes: list[_Write]) -> list[int | Exception]:
-        outcomes = await self._run(lambda c: _apply(c, writes))
+        try:
+            turn, left_seconds = await self._gate.acquire()
+        except WriteTurnTimeout as exc:
+            raise StoreUnavailable(f"sqlite: {exc}") from exc
+        try:
+            outcomes = await self._run(lambda c: _apply(c, writes), int(left_seconds * 1000))
+        finally:
+            turn.release()
         self._schedule_checkpoint()
         return outcomes
 
@@ -194,6 +207,11 @@ class SqliteStore:
         self._checkpoint = None
         future = asyncio.get_running_loop().run_in_executor(self._waiter, self._checkpoint_wal)
         future.add_done_callback(lambda done: done.exception())  # a failed one: the next try
+
+    def _waiting(self, wait_ms: int) -> sqlite3.Connection:
+        connection = self._on_waiter()
+        connection.execute(f"PRAGMA busy_timeout = {min(wait_ms, WAIT_FOR_LOCK_MS)}")
+        return connection
 
     def _checkpoint_wal(self) -> None:
         self._on_waiter().execute("PRAGMA wal_checkpoint(PASSIVE)")

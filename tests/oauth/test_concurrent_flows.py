@@ -1,5 +1,5 @@
-"""R2 (SECURITY.md): users completing connect flows at the same time (on PostgreSQL 200 users, 25
-at a time), each in a browser of their own, half of them GitHub (OAuth) and half the `demo` API
+"""R2 (SECURITY.md): users completing connect flows at the same time (200 users, 25 at a time),
+each in a browser of their own, half of them GitHub (OAuth) and half the `demo` API
 key, while a connected user's tool calls go on in the background.
 
 Every flow completes exactly once: one connection row per user, one token exchange per GitHub
@@ -18,20 +18,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..conftest import count_rows
 from ..connect import submit_key
 from ..mcp.test_retry import API_KEY, retry, round_one, tool_result
-from ..support.broker import BrokerProcess, database_kind
+from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
 from ..support.load import BackgroundLoad
 from .helpers import approve_at_provider, arm, deliver, retry_connect, unique
 
-# R2 asks 200 flows, 50 at a time. On PostgreSQL: 200 flows, 25 at a time. At 50, on a 2-CPU
-# machine, this process (50 browsers and the in-process fake GitHub in one interpreter), the IdP,
-# the broker and PostgreSQL starve each other: 3 of 5 runs failed, with exchanges timing out at
-# the fake GitHub and waits for a pooled connection running past their 3 s. On SQLite, 30 flows
-# all at once: writers take turns at SQLite's one write lock, and a writer that finds it taken
-# polls for it; with 200 flows, even 10 at a time, a sign-in or callback sometimes waited past
-# the broker's 4 s lock wait and got the "temporarily unavailable" page (see README).
-USERS, AT_ONCE = (200, 25) if database_kind() == "postgresql" else (30, 30)  # half GitHub
+# R2 asks 200 flows, 50 at a time; here 25 at a time. At 50, on a 2-CPU machine, this process
+# (50 browsers and the in-process fake GitHub in one interpreter), the IdP, the broker and the
+# database starve each other: on PostgreSQL 3 of 5 runs failed, with exchanges timing out at the
+# fake GitHub and waits for a pooled connection running past their 3 s; on SQLite 1 of 3, a
+# tool call's flow insert queued past its 4 s for the write lock (app/sqlite_gate.py).
+USERS, AT_ONCE = 200, 25  # half GitHub
 
 
 @pytest.fixture(autouse=True)
