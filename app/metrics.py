@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import hmac
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -27,6 +27,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+Labels = tuple[str, ...]  # one series' label values, in the family's label order
 UNMATCHED_ROUTE = "unmatched"  # no route answered (404s, refused Hosts): never the raw path
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # seconds; the request bound (5 s, SECURITY.md R5) falls between the last two
@@ -59,11 +60,11 @@ class BrokerMetrics(Collector):
     """The broker's own counters, rendered with the process collectors of one registry."""
 
     def __init__(self) -> None:
-        self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.requests: defaultdict[Labels, int] = defaultdict(int)
         self.durations: defaultdict[str, _Durations] = defaultdict(_Durations)
-        self.mcp_results: defaultdict[tuple[str, str], int] = defaultdict(int)
-        self.mcp_errors: defaultdict[str, int] = defaultdict(int)
-        self.security_events: defaultdict[str, int] = defaultdict(int)
+        self.mcp_results: defaultdict[Labels, int] = defaultdict(int)
+        self.mcp_errors: defaultdict[Labels, int] = defaultdict(int)
+        self.security_events: defaultdict[Labels, int] = defaultdict(int)
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -80,23 +81,21 @@ class BrokerMetrics(Collector):
         self.mcp_results[method, result_type] += 1
 
     def mcp_error(self, code: int) -> None:
-        self.mcp_errors[str(code)] += 1
+        self.mcp_errors[(str(code),)] += 1
 
     def security_event(self, event: str) -> None:
-        self.security_events[event] += 1
+        self.security_events[(event,)] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
+        yield _counter(
             "broker_http_requests",
             "HTTP requests answered, by route template, method and status",
-            labels=("route", "method", "status"),
+            ("route", "method", "status"),
+            self.requests,
         )
-        for (route, method, status), count in sorted(self.requests.items()):
-            requests.add_metric((route, method, status), count)
-        yield requests
         durations = HistogramMetricFamily(
             "broker_http_request_duration_seconds",
             "Time from a request's arrival to the end of its answer, by route template",
@@ -105,28 +104,33 @@ class BrokerMetrics(Collector):
         for route, series in sorted(self.durations.items()):
             durations.add_metric((route,), series.buckets(), series.total)
         yield durations
-        results = CounterMetricFamily(
+        yield _counter(
             "broker_mcp_results",
             "MCP requests answered with a result, by method and resultType",
-            labels=("method", "result_type"),
+            ("method", "result_type"),
+            self.mcp_results,
         )
-        for (method, result_type), count in sorted(self.mcp_results.items()):
-            results.add_metric((method, result_type), count)
-        yield results
-        errors = CounterMetricFamily(
-            "broker_mcp_errors", "MCP requests answered with a JSON-RPC error", labels=("code",)
+        yield _counter(
+            "broker_mcp_errors",
+            "MCP requests answered with a JSON-RPC error, by code",
+            ("code",),
+            self.mcp_errors,
         )
-        for code, count in sorted(self.mcp_errors.items()):
-            errors.add_metric((code,), count)
-        yield errors
-        events = CounterMetricFamily(
+        yield _counter(
             "broker_security_events",
             "Security events (the security log's event names), by event",
-            labels=("event",),
+            ("event",),
+            self.security_events,
         )
-        for event, count in sorted(self.security_events.items()):
-            events.add_metric((event,), count)
-        yield events
+
+
+def _counter(
+    name: str, documentation: str, labels: tuple[str, ...], counts: Mapping[Labels, int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for values, count in sorted(counts.items()):
+        family.add_metric(values, count)
+    return family
 
 
 def scrape_allowed(authorization: str | None, token: str) -> bool:
