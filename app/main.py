@@ -17,7 +17,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import login
-from app.auth.bearer import TokenVerifier
+from app.auth.bearer import TokenVerifier, bearer_token
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache
@@ -26,7 +26,7 @@ from app.config import Settings
 from app.connect import oauth_pages, pages
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
-from app.crypto import Keyring
+from app.crypto import Keyring, constant_time_equal
 from app.db import create_engine, create_sessionmaker, is_sqlite
 from app.direct import open_direct_store
 from app.errors import (
@@ -46,7 +46,6 @@ from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from app.metrics import scrape_allowed
 from app.middleware import AccessLog, HostGuard
 from app.resources import resource_dir
 from app.runtime import Runtime
@@ -272,7 +271,8 @@ async def _metrics(request: Request) -> Response:
     token = runtime.settings.server.metrics_token
     if token is None:
         raise StarletteHTTPException(404)
-    if not scrape_allowed(request.headers.get("authorization"), token.get_secret_value()):
+    presented = bearer_token(request.headers.get("authorization"))
+    if presented is None or not constant_time_equal(presented, token.get_secret_value()):
         return PlainTextResponse(
             "Metrics need the bearer token configured as [server] metrics_token.\n",
             status_code=401,

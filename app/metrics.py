@@ -14,7 +14,6 @@ it. Run one worker per replica and let Prometheus scrape each replica when exact
 from __future__ import annotations
 
 import bisect
-import hmac
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
@@ -131,11 +130,3 @@ def _counter(
     for values, count in sorted(counts.items()):
         family.add_metric(values, count)
     return family
-
-
-def scrape_allowed(authorization: str | None, token: str) -> bool:
-    """Whether `Authorization` carries the configured scrape token (compared in constant time)."""
-    scheme, _, presented = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        presented.strip().encode(), token.encode()
-    )
