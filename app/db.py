@@ -79,8 +79,9 @@ def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> Asy
     """An engine whose statements wait at most STATEMENT_WAIT_SECONDS, unless not `bounded`."""
     target = async_url(url)
     if target.get_backend_name() == "sqlite":
-        if target.database and target.database != ":memory:":
-            Path(target.database).parent.mkdir(parents=True, exist_ok=True)
+        file = target.database if target.database != ":memory:" else None
+        if file:
+            Path(file).parent.mkdir(parents=True, exist_ok=True)
         lock_wait = STATEMENT_WAIT_SECONDS if bounded else MIGRATION_LOCK_WAIT_SECONDS
         engine = create_async_engine(
             target,
@@ -91,8 +92,8 @@ def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> Asy
             connect_args={"timeout": lock_wait},  # sqlite3's `timeout` is its busy timeout
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        if bounded and target.database and target.database != ":memory:":
-            gate = gate_for(target.database, STATEMENT_WAIT_SECONDS)
+        if bounded and file:
+            gate = gate_for(file, STATEMENT_WAIT_SECONDS)
             gate_transactions(engine, gate, busy_timeout=lock_wait)
         return engine
     statement_bounds: dict[str, Any] = {

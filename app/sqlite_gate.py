@@ -59,7 +59,7 @@ class WriteGate:
 
     async def acquire(self) -> tuple[asyncio.Lock, float]:
         """Wait for this process's turn to write: the lock to release when done, and how many
-        milliseconds SQLite's own wait may still take, so that both waits together stay within
+        seconds SQLite's own wait may still take, so that both waits together stay within
         `wait_seconds` (plus QUEUE_SLACK_SECONDS).
 
         Raises:
