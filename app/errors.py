@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app.bug_report import redacted_traceback
 from app.templating import render
 
 logger = logging.getLogger("broker.errors")
@@ -114,10 +115,16 @@ def render_error(request: Request, error: BrokerError) -> Response:
             "title": error.title,
             "status": error.status_code,
             "detail": error.public_message,
+            "instance": problem_instance(request),
         },
         status_code=error.status_code,
         media_type="application/problem+json",
     )
+
+
+def problem_instance(request: Request) -> str:
+    """RFC 9457 `instance`: this answer's request id, the reference the log lines carry."""
+    return f"urn:connect-broker:request:{getattr(request.state, 'request_id', '')}"
 
 
 async def on_broker_error(request: Request, exc: Exception) -> Response:
@@ -156,7 +163,7 @@ class InternalError(BrokerError):
     status_code = 500
     code = "internal_error"
     title = "Something went wrong"
-    message = "An unexpected error occurred; it has been logged with the reference below."
+    message = "An unexpected error occurred; it has been logged under this answer's reference."
     next_step = "Try again; if it keeps happening, tell your administrator the reference."
 
 
@@ -170,8 +177,16 @@ async def on_client_disconnect(request: Request, _exc: Exception) -> Response:
     return Response(status_code=400)
 
 
+# The scope key under which `on_unexpected_error` records the exception it has logged.
+LOGGED_ERROR_KEY = "broker.logged_error"
+
+
 async def on_unexpected_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unexpected error rid=%s", getattr(request.state, "request_id", ""))
+    """A bug: one traceback in the log (messages withheld, app/bug_report.py), tagged with the
+    request id the 500 answer shows."""
+    rid = getattr(request.state, "request_id", "")
+    logger.error("unexpected error rid=%s\n%s", rid, redacted_traceback(exc))
+    request.scope[LOGGED_ERROR_KEY] = exc
     return render_error(request, InternalError())
 
 

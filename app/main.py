@@ -31,6 +31,7 @@ from app.db import create_engine, create_sessionmaker, is_sqlite
 from app.direct import open_direct_store
 from app.errors import (
     DATABASE_ERRORS,
+    LOGGED_ERROR_KEY,
     BrokerError,
     on_broker_error,
     on_client_disconnect,
@@ -138,7 +139,14 @@ class BrokerApp(FastAPI):
                 scope["app"] = self
                 await fast(scope, receive, send)
                 return
-        await super().__call__(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception as exc:
+            # Starlette has answered 500 through `on_unexpected_error`, which logged the
+            # traceback with the request id, and re-raises for the server to log: a second
+            # traceback without the id. An exception nobody logged goes on to the server.
+            if scope.get(LOGGED_ERROR_KEY) is not exc:
+                raise
 
 
 async def _mcp_asgi(scope: Scope, receive: Receive, send: Send) -> None:

@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
-from app.errors import BrokerError, render_error
+from app.errors import BrokerError, problem_instance, render_error
 
 
 class InvalidServiceCredentials(BrokerError):
@@ -64,6 +64,10 @@ class Problem(BaseModel):
     title: str
     status: int
     detail: str
+    instance: str = Field(
+        examples=["urn:connect-broker:request:5f3a9c1e0000002a"],
+        description="This answer's request id: the reference the broker's log lines carry",
+    )
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="422 only: where the request is wrong (`loc`, `msg`, `type`)"
     )
@@ -75,7 +79,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": "problem details", "content": content} for status in statuses}
 
 
-def _invalid_request(exc: RequestValidationError) -> Response:
+def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
     """422 as problem JSON. Only where and what: pydantic's `input` and `ctx` echo the caller's
     values back (a secret sent in the wrong field would land in the response and in logs)."""
     problem = Problem(
@@ -83,6 +87,7 @@ def _invalid_request(exc: RequestValidationError) -> Response:
         title=InvalidRequest.title,
         status=InvalidRequest.status_code,
         detail=InvalidRequest.message,
+        instance=problem_instance(request),
         errors=[
             {"loc": list(error.get("loc", ())), "msg": error.get("msg"), "type": error.get("type")}
             for error in exc.errors()
@@ -117,7 +122,7 @@ class ProblemRoute(APIRoute):
             try:
                 return await handle(request)
             except RequestValidationError as exc:
-                return _invalid_request(exc)
+                return _invalid_request(request, exc)
             except InvalidServiceCredentials as exc:
                 return problem_response(request, exc)
 

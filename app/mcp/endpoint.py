@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
 from app.auth.principal import McpCaller
+from app.bug_report import redacted_traceback
 from app.json_message import JsonMessage
 from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
 from app.mcp.methods import METHODS
@@ -100,9 +101,12 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
         )
         runtime.metrics.mcp_error(INTERNAL_ERROR)
         return _error(unavailable, message.id if message else None)
-    except Exception:  # a bug: still answer in JSON-RPC, never with a page or a stack trace
-        logger.exception("mcp.internal_error")
-        failure = JsonRpcError(INTERNAL_ERROR, "Internal error", http_status=500)
+    except Exception as exc:  # a bug: still answer in JSON-RPC, never with a page or a stack trace
+        rid = scope.get("state", {}).get("request_id", "")
+        logger.error("mcp.internal_error rid=%s\n%s", rid, redacted_traceback(exc))
+        failure = JsonRpcError(
+            INTERNAL_ERROR, "Internal error", http_status=500, data={"reference": rid}
+        )
         runtime.metrics.mcp_error(INTERNAL_ERROR)
         return _error(failure, message.id if message else None)
     result["_meta"] = {META_SERVER_INFO: runtime.server_info}

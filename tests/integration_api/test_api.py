@@ -10,6 +10,7 @@ The K4 cases (the relayed `requestState`) live here; test_isolation.py carries t
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from ..support.schema import validate_response
 API_KEY = "sk_CANARYKEY_integration_api_1"
 RETRY_WAIT_SECONDS = 3  # BrokerConfig default of the session broker
 FLOW_TTL_SECONDS = 600  # the broker default; requestState lives as long as its flow
-PROBLEM_KEYS = {"type", "title", "status", "detail"}
+PROBLEM_KEYS = {"type", "title", "status", "detail", "instance"}
 MISSING_URL: dict[str, Any] = {"elicitation": {"url": {}}}
 ACCEPT = {"action": "accept"}
 
@@ -138,13 +139,16 @@ def ok(response: httpx2.Response) -> dict[str, Any]:
 
 
 def problem(response: httpx2.Response, status: int, code: str) -> dict[str, Any]:
-    """The RFC 9457 body of an error, with its stable type."""
+    """The RFC 9457 body of an error, with its stable type; `instance` (this answer's request
+    id) is checked and left out, so the stable part can be compared."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/problem+json"
     body: dict[str, Any] = response.json()
     assert set(body) == PROBLEM_KEYS | ({"errors"} if status == 422 else set()), body
     assert body["type"] == f"urn:connect-broker:error:{code}"
     assert body["status"] == status
+    instance = body.pop("instance")
+    assert re.fullmatch(r"urn:connect-broker:request:[0-9a-f]{16}", instance), instance
     return body
 
 

@@ -102,7 +102,10 @@ def same_answer(fast: httpx2.Response, routed: httpx2.Response, status: int) -> 
     assert fast.status_code == routed.status_code == status, (fast.text, routed.text)
     for header in ("content-type", "www-authenticate", "retry-after"):
         assert fast.headers.get(header) == routed.headers.get(header), header
-    assert fast.json() == routed.json()
+    fast_body, routed_body = fast.json(), routed.json()
+    if "instance" in fast_body or "instance" in routed_body:  # a problem: each names its request
+        assert fast_body.pop("instance") != routed_body.pop("instance")
+    assert fast_body == routed_body
 
 
 async def test_fast_path_and_fastapi_route_give_the_same_answers(
