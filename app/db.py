@@ -33,6 +33,9 @@ from app.sqlite_gate import gate_for, gate_transactions
 POOL_TIMEOUT_SECONDS = 3
 CONNECT_TIMEOUT_SECONDS = 3
 STATEMENT_WAIT_SECONDS = 4  # the client stops waiting for a statement, or for SQLite's lock
+# SQLite cuts its WAL file back to this size whenever it starts the file over
+# (app/direct/sqlite.py makes sure it does under a flood too)
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
 SERVER_STATEMENT_TIMEOUT_MS = 5000  # PostgreSQL's own bound, for what the client gave up on
 MIGRATION_LOCK_WAIT_SECONDS = 60  # SQLite: a migration waits this long for a running broker
 
@@ -118,6 +121,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
     cursor.close()
 
 

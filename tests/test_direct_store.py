@@ -686,6 +686,50 @@ async def test_the_wal_is_checkpointed_off_the_event_loop_after_writes(
     assert loop_connection.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
 
 
+def wal_header(path: str) -> tuple[int, int]:
+    """The WAL file's size and its checkpoint sequence number, which counts how often SQLite
+    has started the file over (bytes 12-15 of the WAL header, big-endian)."""
+    with open(path + "-wal", "rb") as wal:
+        header = wal.read(16)
+    return Path(path + "-wal").stat().st_size, int.from_bytes(header[12:16], "big")
+
+
+async def test_a_flood_of_new_flows_keeps_the_wal_file_bounded(
+    sqlite_database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes that never pause: each checkpoint has a commit beside it, so SQLite could never start
+    the WAL over by itself (it grew without end). The store's second checkpoint, in its write turn,
+    lets it: the file starts over again and again and is cut back to the limit."""
+    limit = 256 * 1024
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_DELAY_SECONDS", 0.05)
+    monkeypatch.setattr(sqlite_store, "WAL_LIMIT_BYTES", limit)
+    store = open_direct_store(sqlite_database.url, pool_size=1)  # opened with the lower limit
+    path = sqlite_path(sqlite_database.url)
+    flood_ends = asyncio.get_running_loop().time() + 3.0
+    written = 0
+
+    async def writer(number: int) -> None:
+        nonlocal written
+        while asyncio.get_running_loop().time() < flood_ends:
+            assert await store.insert_flow(
+                new_flow(f"w{number}-{written}", f"u{number}-{written}"), max_open=20
+            )
+            written += 1
+
+    try:
+        await asyncio.gather(*(writer(number) for number in range(16)))
+        _, restarts = wal_header(path)
+        await asyncio.sleep(0.3)  # the flood is over: a checkpoint copies the rest
+        assert await store.insert_flow(new_flow("after", "after-the-flood"), max_open=20)
+        size_after, _ = wal_header(path)
+    finally:
+        await store.close()
+
+    assert written > 2000, written  # a flood: far more than the limit's worth of WAL frames
+    assert restarts >= 3, restarts  # started over during the flood, again and again
+    assert size_after <= limit, size_after  # and cut back to the limit when it starts over
+
+
 async def test_a_file_that_is_not_a_database_is_store_unavailable(tmp_path: Path) -> None:
     """What a replaced or corrupted file gives reads and writes: a 503, not a 500."""
     path = tmp_path / "broker.db"
