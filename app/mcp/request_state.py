@@ -31,6 +31,7 @@ from typing import Any
 from itsdangerous import TimestampSigner
 
 from app import jsonbytes
+from app.auth.bearer import CACHE_SIZE as TOKEN_CACHE_SIZE
 from app.auth.principal import McpCaller
 from app.crypto import Keyring, hmac_digest, hmac_sha256
 from app.mcp.protocol import JsonRpcError, invalid_params
@@ -39,7 +40,9 @@ logger = logging.getLogger("broker.security")
 
 MAX_STATE_LENGTH = 8192
 SALT = "mcp.requestState.v1"
-PRINCIPAL_CACHE_SIZE = 4096
+# as many users as the verified-token cache holds: smaller, a load of more users than the
+# digest cache holds (and fewer than the token cache) would compute every digest again
+PRINCIPAL_CACHE_SIZE = TOKEN_CACHE_SIZE
 
 
 @dataclass(slots=True)  # built per request; frozen would cost an object.__setattr__ per field
