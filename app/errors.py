@@ -21,6 +21,7 @@ from app.templating import render
 
 logger = logging.getLogger("broker.errors")
 
+API_PREFIX = "/api/"
 HTML_PREFIXES = ("/connect/", "/oauth/", "/login", "/logout", "/connections", "/dev-idp")
 
 
@@ -140,16 +141,40 @@ class MethodNotAllowed(BrokerError):
     next_step = "Open the link from your MCP client again."
 
 
+class NoSuchEndpoint(BrokerError):
+    status_code = 404
+    code = "no_such_endpoint"
+    title = "No such endpoint"
+    message = "The integration API has no endpoint at this path; see /api/v1/openapi.json."
+
+
+class EndpointMethodNotAllowed(BrokerError):
+    status_code = 405
+    code = "method_not_allowed"
+    title = "Method not allowed"
+    message = "This endpoint does not take that method (see Allow and /api/v1/openapi.json)."
+
+
 async def on_http_exception(request: Request, exc: Exception) -> Response:
-    """Routing misses (404/405) on browser paths get our page and headers, not Starlette's JSON."""
+    """Routing misses (404/405): our page on browser paths and problem JSON under /api/, as the
+    rest of those paths answer, instead of Starlette's `{"detail": …}`; a 405 keeps `Allow`."""
     assert isinstance(exc, StarletteHTTPException)
-    if not wants_html(request) or exc.status_code not in (404, 405):
+    error: BrokerError | None = None
+    if exc.status_code in (404, 405) and wants_html(request):
+        error = NotFound() if exc.status_code == 404 else MethodNotAllowed()
+    elif exc.status_code in (404, 405) and request.url.path.startswith(API_PREFIX):
+        error = NoSuchEndpoint() if exc.status_code == 404 else EndpointMethodNotAllowed()
+    if error is None:
         return JSONResponse(
             {"detail": exc.detail},
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-    return render_error(request, NotFound() if exc.status_code == 404 else MethodNotAllowed())
+    response = render_error(request, error)
+    allow = (exc.headers or {}).get("Allow")
+    if allow:  # RFC 9110: a 405 names the methods the resource takes
+        response.headers["Allow"] = allow
+    return response
 
 
 async def on_database_error(request: Request, exc: Exception) -> Response:

@@ -185,6 +185,17 @@ async def test_d4_well_formed_but_unknown_flow_id_is_not_found(browser: Browser)
     assert "Link not found" in page.text
 
 
+async def test_a_method_a_page_does_not_take_is_a_405_page_naming_the_allowed_ones(
+    browser: Browser,
+) -> None:
+    page = await browser.http.put(f"{browser.broker_url}/connections")
+
+    assert page.status_code == 405
+    assert "Not available this way" in page.text
+    assert page.headers["content-type"].startswith("text/html")
+    assert sorted(page.headers["allow"].split(", ")) == ["GET"]
+
+
 async def test_d5_expired_flow_shows_a_gone_page_without_the_form(
     mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
 ) -> None:

@@ -288,6 +288,22 @@ async def call(api: ServiceApi, endpoint: str, provider: str, user: dict[str, st
     return await api.delete(provider, user)
 
 
+async def test_a_path_or_method_the_api_does_not_have_is_a_problem(
+    api: ServiceApi, user_of: Any
+) -> None:
+    """Routing misses under /api/ answer problem JSON like the rest of the API (not Starlette's
+    `{"detail": …}`), before any service secret is looked at; a 405 names the allowed methods."""
+    missing = await api.http.get("/no-such-endpoint")
+    problem(missing, 404, "no_such_endpoint")
+
+    wrong_method = await api.http.put("/credentials/demo", params=user_of("wrong-method"))
+    problem(wrong_method, 405, "method_not_allowed")
+    assert wrong_method.headers["allow"] == "GET"
+
+    anonymous = await api.http.get("/no-such-endpoint", headers={"Authorization": ""})
+    problem(anonymous, 404, "no_such_endpoint")
+
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 async def test_unknown_provider_is_a_404_problem(
     endpoint: str, api: ServiceApi, user_of: Any, db: AsyncEngine
