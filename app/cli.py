@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import sys
@@ -94,12 +95,20 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from app.db import is_sqlite
     from app.migrate import is_current
 
     settings = _settings(args)
     if not is_current(settings.database.url):
         raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
     configure_logging()
+    if args.workers > 1 and is_sqlite(settings.database.url):
+        logging.getLogger("broker").warning(
+            "serve.sqlite_workers workers=%d: SQLite is for one process. Each worker queues for "
+            "SQLite's write lock and bounds its log file on its own, so under load writers of "
+            "different workers can starve one another; use --workers 1, or PostgreSQL",
+            args.workers,
+        )
     if args.config:
         os.environ["BROKER_CONFIG"] = args.config
     uvicorn.run(

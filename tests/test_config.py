@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from app.config import ConfigError, load_settings, require_serve_ready
@@ -11,6 +16,7 @@ from app.crypto import generate_key
 from app.providers.settings import ApiKeyProviderSettings
 
 from .support.broker import BrokerConfig, cli
+from .support.idp import free_port
 
 KEYS = f'signing = ["{generate_key("s1")}"]\nencryption = ["{generate_key("e1")}"]\n'
 VALID = f"""
@@ -181,3 +187,41 @@ def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
     provider = settings.providers["demo"]
     assert isinstance(provider, ApiKeyProviderSettings)
     assert provider.validation is not None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_warns_when_several_workers_share_sqlite(workers: int, tmp_path: Path) -> None:
+    """The write-lock queue and the WAL bound are per process (README, SQLite): more than one
+    worker on SQLite still serves, with a warning that says why it is not advised."""
+    config = BrokerConfig(issuer="http://127.0.0.1:1", port=free_port())
+    path = write(tmp_path, config.render(f"sqlite:///{tmp_path / 'broker.db'}"))
+    assert cli("migrate", config_path=path).returncode == 0
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "app.cli", "--config", str(path), "serve"]
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [*command, "--port", str(config.port), "--workers", str(workers)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        assert serves(f"{config.public_url}/healthz", process), log.read_text()
+    finally:
+        process.terminate()
+        process.wait(SERVE_TIMEOUT)
+
+    warned = f"serve.sqlite_workers workers={workers}: SQLite is for one process" in log.read_text()
+    assert warned is (workers > 1), log.read_text()
+
+
+SERVE_TIMEOUT = 30.0
+
+
+def serves(url: str, process: subprocess.Popen[bytes]) -> bool:
+    deadline = time.monotonic() + SERVE_TIMEOUT
+    while time.monotonic() < deadline and process.poll() is None:
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(url, timeout=1, trust_env=False).status_code == 200:
+                return True
+        time.sleep(0.1)
+    return False
