@@ -127,6 +127,10 @@ async def submit_api_key(
         raise UnexpectedFields()  # e.g. a base_url: provider URLs are configuration (T16)
     if not flow.is_open:
         return RedirectResponse(f"/connect/{flow.id}", status_code=303)
+    # The provider may take its time (up to the probe's deadline): end the reads so far and hand
+    # the connection back, or slow checks would hold every pooled connection and fail other
+    # users' requests. The completion below is conditional on the flow being open still.
+    await session.commit()
     try:
         key = check_shape(provider, values.get("api_key", ""))
         await probe(provider, key, http=runtime.http)

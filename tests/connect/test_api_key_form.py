@@ -401,6 +401,71 @@ async def test_g7_provider_that_does_not_answer_in_time_gets_a_502_and_nothing_i
     assert (await flow_snapshot(probe.db, flow_id))["status"] == "pending"
 
 
+@pytest.fixture(scope="module")
+async def small_pool_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHttp]]:
+    """A broker with 2 database connections (pool_size 1 + 1 overflow) and a slow probe."""
+    async with LocalHttp() as provider:
+        probe = {
+            "kind": "api_key",
+            "display_name": "Probe",
+            "pattern": r"^pk_[A-Za-z0-9_]{8,200}$",
+            "validation": {
+                "url": f"http://127.0.0.1:{provider.port}/v1/whoami",
+                "header": "Authorization: Bearer {api_key}",
+                "timeout_seconds": 8,
+            },
+        }
+        with dedicated_stack(
+            workdir, "small-pool", providers={"probe": probe}, extra={"database": {"pool_size": 1}}
+        ) as stack:
+            yield stack, provider
+
+
+async def test_t21_keys_waiting_for_the_provider_hold_no_database_connection(
+    small_pool_stack: tuple[Stack, LocalHttp],
+) -> None:
+    """T21 (slow provider responses). While a provider takes its time to check keys, the
+    submissions waiting for it hold none of the broker's database connections: with as many
+    waiting as the pool has connections, another user's page still loads."""
+    stack, provider = small_pool_stack
+    provider.release.clear()
+    mcp = McpHttp(stack.broker.mcp_url)
+    browsers = [Browser(stack.broker.url) for _ in range(3)]
+    users = [unique(f"pool-{n}") for n in range(3)]
+    try:
+        flows = [await open_flow(mcp, stack.token(user), provider="probe") for user in users[:2]]
+        for browser, user in zip(browsers, users, strict=True):
+            await browser.login_as(user)
+        csrfs = [
+            await browser.csrf_token(f"/connect/{flow_id}")
+            for browser, flow_id in zip(browsers, flows, strict=False)
+        ]
+        waiting = [
+            asyncio.create_task(
+                browser.post(
+                    f"/connect/{flow_id}/api-key", data={"csrf": csrf, "api_key": SLOW_KEY}
+                )
+            )
+            for browser, flow_id, csrf in zip(browsers, flows, csrfs, strict=False)
+        ]
+        async with asyncio.timeout(5):
+            while provider.authorizations.count(f"Bearer {SLOW_KEY}") < 2:
+                await asyncio.sleep(0.02)
+
+        page = await browsers[2].get("/connections")  # needs the database (the login session)
+
+        provider.release.set()
+        answers = await asyncio.gather(*waiting)
+    finally:
+        provider.release.set()
+        await mcp.aclose()
+        for browser in browsers:
+            await browser.aclose()
+
+    assert page.status_code == 200, page.text
+    assert [answer.status_code for answer in answers] == [400, 400]  # the provider said 401
+
+
 async def test_g6_key_with_control_characters_never_reaches_the_provider(probe: Probe) -> None:
     """G6. The shape check runs before the probe, so CR/LF never lands in an outbound header."""
     flow_id = await probe.open()
