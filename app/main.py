@@ -104,6 +104,8 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         notifier=notifier,
         http=http,
         allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
+        # half of the pool (pool_size + as many overflow): a slow provider never takes it all
+        provider_call_slots=asyncio.Semaphore(settings.database.pool_size),
     )
 
 

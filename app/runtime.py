@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ class Runtime:
     notifier: FlowNotifier
     http: httpx2.AsyncClient
     allowed_origins: frozenset[str]
+    # Pooled connections that may be held while a provider answers (app/connect/refresh.py)
+    provider_call_slots: asyncio.Semaphore
     provider_issuers: dict[str, JwksCache] = field(default_factory=dict)
     server_info: dict[str, str] = field(
         default_factory=lambda: {"name": SERVER_NAME, "version": SERVER_VERSION}

@@ -21,6 +21,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect import oauth_service
 from app.credentials import Credential
+from app.db import POOL_TIMEOUT_SECONDS
 from app.direct import ConnectionRecord
 from app.models import Connection, ConnectionStatus
 from app.providers import oauth
@@ -76,6 +77,33 @@ async def usable_credential(
 
 
 async def _refresh(
+    runtime: Runtime,
+    settings: OAuthProviderSettings,
+    *,
+    principal: Principal,
+    provider: str,
+    audience: str,
+) -> Credential | None:
+    """Refresh under the row's lock, which holds a pooled connection while the provider answers
+    (up to its deadline). At most `provider_call_slots` refreshes do so at once, half the pool,
+    so a slow provider leaves the other half to everything else; a refresh that waits longer
+    than a pooled connection would is answered like a pool timeout (503, retry shortly).
+    """
+    try:
+        async with asyncio.timeout(POOL_TIMEOUT_SECONDS):
+            await runtime.provider_call_slots.acquire()
+    except TimeoutError:
+        logger.warning("oauth.refresh_busy provider=%s", provider)
+        raise
+    try:
+        return await _refresh_holding_a_slot(
+            runtime, settings, principal=principal, provider=provider, audience=audience
+        )
+    finally:
+        runtime.provider_call_slots.release()
+
+
+async def _refresh_holding_a_slot(
     runtime: Runtime,
     settings: OAuthProviderSettings,
     *,

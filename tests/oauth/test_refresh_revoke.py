@@ -285,6 +285,59 @@ async def test_concurrent_calls_on_every_process_refresh_upstream_exactly_once(
     assert [text.count("POST /mcp 200") for text in logged] == [CALLS_PER_PROCESS] * len(logs)
 
 
+async def test_t21_refreshes_stuck_at_a_slow_provider_leave_the_database_to_the_rest(
+    broker: BrokerProcess, mcp: McpHttp, token_for: Any, fake_github: FakeGitHub, db: AsyncEngine
+) -> None:
+    """T21 (slow provider responses). A refresh holds a pooled connection (and the row's lock)
+    while the provider answers. On a replica with 2 connections (pool_size 1 + 1 overflow), two
+    users' refreshes hang at GitHub: at most half the pool is theirs, so the database check of
+    /readyz still gets a connection; each call gets an answer (a tool result made with the stored
+    token, which is still valid, or 503 to retry shortly)."""
+    fake_github.expiring_tokens = True
+    users = [fresh_user(f"slow-refresh-{n}") for n in range(2)]
+    for user in users:
+        browser = Browser(broker.url)
+        try:
+            await connect(mcp, browser, token_for(user), user)
+        finally:
+            await browser.aclose()
+    github = {**broker.config.providers["github"], "timeout_seconds": 4}
+    small = serve_replica(
+        broker,
+        name="small-pool",
+        extra={**broker.config.extra, "database": {"pool_size": 1}},
+        providers={**broker.config.providers, "github": github},
+    )
+    client = McpHttp(small.mcp_url)
+    tokens = [token_for(user, audience=small.mcp_url) for user in users]
+    try:
+        await warm_up(client, tokens[0])
+        for user in users:
+            await make_due(db, (await connection_row(db, user))["id"])
+        fake_github.token_fault, fake_github.sticky_faults = "timeout", True
+        calls = [asyncio.create_task(client.call_tool(token, "github_whoami")) for token in tokens]
+        async with asyncio.timeout(10):
+            while fake_github.refresh_calls < 1:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # both calls are in: refreshing, or waiting to
+
+        ready = await client.http.get(f"{small.url}/readyz")
+        answers = await asyncio.wait_for(asyncio.gather(*calls), timeout=30)
+    finally:
+        fake_github.reset()
+        await client.aclose()
+        small.stop()
+
+    assert ready.status_code == 200, ready.text
+    for answer in answers:
+        validate_response(answer.json())
+        if answer.status_code == 503:
+            assert answer.json()["error"]["code"] == -32603
+            assert answer.headers["retry-after"] == "5"
+        else:  # the stored token (which the fake may have rotated away meanwhile)
+            assert answer.json()["result"]["resultType"] == "complete", answer.text
+
+
 # ------------------------------------------------------------------------------------------------
 # Step-up
 # ------------------------------------------------------------------------------------------------

@@ -268,11 +268,11 @@ def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -
     return _launch(config, config_path, workdir / f"{name}-{config.port}.log", database_url)
 
 
-def serve_replica(broker: BrokerProcess, *, name: str = "replica") -> BrokerProcess:
+def serve_replica(broker: BrokerProcess, *, name: str = "replica", **changes: Any) -> BrokerProcess:
     """One more `serve` process on the broker's database and keys (no migration), on a port of
     its own. Its public URL follows its port unless the config sets `server.public_url` (replicas
-    behind one balancer share it)."""
-    config = dataclasses.replace(broker.config, port=free_port())
+    behind one balancer share it). `changes` replace fields of the broker's BrokerConfig."""
+    config = dataclasses.replace(broker.config, port=free_port(), **changes)
     config_path = broker.config_path.with_name(f"{name}-{config.port}.toml")
     config_path.write_text(config.render(broker.database_url))
     return _launch(config, config_path, config_path.with_suffix(".log"), broker.database_url)
