@@ -324,19 +324,24 @@ class Probe:
         return flow_id
 
 
+def probe_provider(provider: LocalHttp, timeout_seconds: float) -> dict[str, Any]:
+    """The `probe` API-key provider, whose validation request goes to `provider`."""
+    return {
+        "kind": "api_key",
+        "display_name": "Probe",
+        "pattern": r"^pk_[A-Za-z0-9_]{8,200}$",
+        "validation": {
+            "url": f"http://127.0.0.1:{provider.port}/v1/whoami",
+            "header": "Authorization: Bearer {api_key}",
+            "timeout_seconds": timeout_seconds,
+        },
+    }
+
+
 @pytest.fixture(scope="module")
 async def probe_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHttp]]:
     async with LocalHttp() as provider:
-        probe = {
-            "kind": "api_key",
-            "display_name": "Probe",
-            "pattern": r"^pk_[A-Za-z0-9_]{8,200}$",
-            "validation": {
-                "url": f"http://127.0.0.1:{provider.port}/v1/whoami",
-                "header": "Authorization: Bearer {api_key}",
-                "timeout_seconds": 1,
-            },
-        }
+        probe = probe_provider(provider, timeout_seconds=1)
         with dedicated_stack(workdir, "probe", providers={"probe": probe}) as stack:
             yield stack, provider
 
@@ -405,16 +410,7 @@ async def test_g7_provider_that_does_not_answer_in_time_gets_a_502_and_nothing_i
 async def small_pool_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHttp]]:
     """A broker with 2 database connections (pool_size 1 + 1 overflow) and a slow probe."""
     async with LocalHttp() as provider:
-        probe = {
-            "kind": "api_key",
-            "display_name": "Probe",
-            "pattern": r"^pk_[A-Za-z0-9_]{8,200}$",
-            "validation": {
-                "url": f"http://127.0.0.1:{provider.port}/v1/whoami",
-                "header": "Authorization: Bearer {api_key}",
-                "timeout_seconds": 8,
-            },
-        }
+        probe = probe_provider(provider, timeout_seconds=8)
         with dedicated_stack(
             workdir, "small-pool", providers={"probe": probe}, extra={"database": {"pool_size": 1}}
         ) as stack:
