@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -728,6 +730,48 @@ async def test_a_flood_of_new_flows_keeps_the_wal_file_bounded(
     assert written > 2000, written  # a flood: far more than the limit's worth of WAL frames
     assert restarts >= 3, restarts  # started over during the flood, again and again
     assert size_after <= limit, size_after  # and cut back to the limit when it starts over
+
+
+LEAVE_WAL_MODE = """
+import sqlite3, sys
+connection = sqlite3.connect(sys.argv[1], timeout=0)
+try:
+    print(connection.execute("PRAGMA journal_mode = DELETE").fetchone()[0])
+except sqlite3.OperationalError as exc:
+    print(exc)
+"""
+
+
+def another_process_leaving_wal_mode(path: str) -> str:
+    """What another process gets when it tries to take the database out of WAL mode: SQLite
+    refuses while any connection (holding its shared lock on the file) is open."""
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVE_WAL_MODE, path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+async def test_syncing_the_files_for_the_wal_bound_keeps_sqlite_s_locks(
+    sqlite_database: Database,
+) -> None:
+    """Closing any descriptor of a file drops all the process's POSIX locks on it, SQLite's own
+    included: after the store syncs the files (more than once), another process must still find
+    the database locked."""
+    store = sqlite_database.store
+    assert isinstance(store, sqlite_store.SqliteStore)
+    flow = await start_flow(store, "lock-holder")  # the store's connection is open, in WAL mode
+    path = sqlite_path(sqlite_database.url)
+    assert another_process_leaving_wal_mode(path) == "database is locked"
+
+    store._sync_files()
+    store._sync_files()
+
+    assert another_process_leaving_wal_mode(path) == "database is locked"
+    assert await flows.read_for(store, flow_id=flow.id, principal=flow.principal)
 
 
 async def test_a_file_that_is_not_a_database_is_store_unavailable(tmp_path: Path) -> None:

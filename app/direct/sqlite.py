@@ -17,7 +17,9 @@ frame, and under a flood of writes a commit always lands beside the checkpoint: 
 without end (874 MB in 8 s of 16,000 new flows a second). So once a checkpoint leaves the WAL
 past WAL_LIMIT_BYTES, a second one runs at once in this process's write turn (it copies only
 what came in during the first, a short pause for writers); the next write then starts the file
-over, cut back to WAL_LIMIT_BYTES (`journal_size_limit`).
+over, cut back to WAL_LIMIT_BYTES (`journal_size_limit`). That second checkpoint syncs the database
+file, and with it every page the earlier checkpoints copied: the files are synced just before it,
+outside the write turn, so writers wait for a few pages' sync only.
 Datetimes are stored as SQLAlchemy's SQLite dialect stores them: naive UTC, "YYYY-MM-DD
 HH:MM:SS.ffffff", so comparisons in SQL stay lexical and match.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -53,6 +56,11 @@ T = TypeVar("T")
 WAIT_FOR_LOCK_MS = STATEMENT_WAIT_SECONDS * 1000
 CHECKPOINT_DELAY_SECONDS = 1.0
 BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+# One read-only descriptor per database file, for fsync, never closed: closing any descriptor of a
+# file drops all of the process's POSIX locks on it, SQLite's own included.
+_DATABASE_FILES: dict[str, int] = {}
+_DATABASE_FILES_LOCK = threading.Lock()
 
 FIND_CONNECTION = """
 SELECT id, status, sealed_credential, scopes, account_label, expires_at
@@ -217,26 +225,43 @@ class SqliteStore:
         task.add_done_callback(self._checkpoints.discard)
 
     async def _checkpoint_and_limit(self) -> None:
-        """A passive checkpoint; if the WAL is still past its limit, one more in our write turn,
-        so that it copies every frame and the next write starts the file over. A failure or a
-        turn not given in time leaves it to the next checkpoint."""
+        """A passive checkpoint; if the WAL is still past its limit, the files synced, then one
+        more checkpoint in our write turn, so that it copies every frame and the next write starts
+        the file over. A failure or a turn not given in time leaves it to the next checkpoint."""
         loop = asyncio.get_running_loop()
         try:
             wal_bytes = await loop.run_in_executor(self._waiter, self._checkpoint_wal)
             if wal_bytes <= WAL_LIMIT_BYTES:
                 return
+            await loop.run_in_executor(self._waiter, self._sync_files)
             turn, _ = await self._gate.acquire()
             try:
                 await loop.run_in_executor(self._waiter, self._checkpoint_wal)
             finally:
                 turn.release()
-        except (sqlite3.Error, WriteTurnTimeout):
+        except (sqlite3.Error, OSError, WriteTurnTimeout):
             return
 
     def _waiting(self, wait_ms: int) -> sqlite3.Connection:
         connection = self._on_waiter()
         connection.execute(f"PRAGMA busy_timeout = {min(wait_ms, WAIT_FOR_LOCK_MS)}")
         return connection
+
+    def _sync_files(self) -> None:
+        """fsync the database file and the WAL. The checkpoint that copies the last frame syncs
+        the database file, under the write lock: synced here first, that costs the pages it copies
+        itself, not every page the checkpoints before it left in the page cache (measured on the
+        round-1 benchmark: 6-22 ms in the write turn before, 3-9 ms after)."""
+        with _DATABASE_FILES_LOCK:
+            database = _DATABASE_FILES.get(self._path)
+            if database is None:
+                database = _DATABASE_FILES[self._path] = os.open(self._path, os.O_RDONLY)
+        os.fsync(database)
+        wal = os.open(self._path + "-wal", os.O_RDONLY)  # SQLite takes no locks on this file
+        try:
+            os.fsync(wal)
+        finally:
+            os.close(wal)
 
     def _checkpoint_wal(self) -> int:
         """A passive checkpoint: the size of the WAL it found, in bytes."""
