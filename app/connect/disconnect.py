@@ -1,7 +1,8 @@
-"""Disconnecting: revoke upstream where the provider supports it, then delete the credential.
+"""Disconnecting: delete the credential, then revoke upstream where the provider supports it.
 
-The credential is deleted whatever the provider answers, so a failed revocation never leaves a
-usable credential behind; the caller reports the upstream failure to the user.
+The deletion is committed before the provider is asked: whatever the provider answers, and however
+long it takes, no usable credential stays behind, and no pooled connection or row lock is held
+while it answers (SECURITY.md T21). The caller reports an upstream failure to the user.
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ async def disconnect(
     provider: str,
     audience: str,
 ) -> Disconnected:
+    """Delete the connection and commit `session`, then revoke the grant upstream."""
     row = await credentials.find(
         session, principal=principal, provider=provider, audience=audience, for_update=True
     )
     if row is None:
         return Disconnected(existed=False, revoked_upstream=False, upstream_failed=False)
-    settings = runtime.settings.providers.get(provider)
     secret = credentials.open_row(row, keys=runtime.sealing_keys)
+    await credentials.remove(session, principal=principal, provider=provider, audience=audience)
+    await session.commit()
+    settings = runtime.settings.providers.get(provider)
     revoked = failed = False
     if isinstance(settings, OAuthProviderSettings) and settings.revokes and secret:
         try:
@@ -50,5 +54,4 @@ async def disconnect(
         except oauth.UpstreamError as exc:
             failed = True
             logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, exc.reason)
-    await credentials.remove(session, principal=principal, provider=provider, audience=audience)
     return Disconnected(existed=True, revoked_upstream=revoked, upstream_failed=failed)

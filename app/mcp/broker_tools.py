@@ -144,7 +144,7 @@ class BrokerTools:
         if answer is None:
             return _confirm(call, name, credential.account_label, provider)
         if answer.get("action") == "accept" and _confirmed(answer):
-            async with self.runtime.sessionmaker.begin() as session:
+            async with self.runtime.sessionmaker() as session:
                 outcome = await disconnect(
                     session,
                     self.runtime,

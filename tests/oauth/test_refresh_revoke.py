@@ -35,6 +35,7 @@ from .helpers import unique as fresh_user
 
 CALLS_PER_PROCESS = 4
 START_TIMEOUT = 30.0
+GITHUB = {"provider": "github"}
 CONFIRM = {"confirm_disconnect": {"action": "accept", "content": {"confirm": True}}}
 PROFILE = {"login": "octocat", "id": 1, "name": "The Octocat"}
 
@@ -429,6 +430,66 @@ async def test_disconnect_account_says_when_the_provider_could_not_confirm_the_r
     assert fake_github.revocations == 1
     assert "could not confirm" in result["content"][0]["text"]
     assert await count_rows(db, "connections", subject=user) == 0
+
+
+async def test_t21_revocations_stuck_at_a_slow_provider_hold_no_database_connection(
+    broker: BrokerProcess, mcp: McpHttp, token_for: Any, fake_github: FakeGitHub, db: AsyncEngine
+) -> None:
+    """T21 (slow provider responses). Disconnecting deletes the connection and commits before
+    GitHub is asked to revoke: on a replica with 2 connections (pool_size 1 + 1 overflow), while
+    two users' revocations hang at GitHub, both connections are already gone and /readyz still
+    gets a connection; each disconnect then says the revocation was not confirmed."""
+    users = [fresh_user(f"slow-revoke-{n}") for n in range(2)]
+    for user in users:
+        browser = Browser(broker.url)
+        try:
+            await connect(mcp, browser, token_for(user), user)
+        finally:
+            await browser.aclose()
+    github = {**broker.config.providers["github"], "timeout_seconds": 3}
+    small = serve_replica(
+        broker,
+        name="small-pool-revoke",
+        extra={**broker.config.extra, "database": {"pool_size": 1}},
+        providers={**broker.config.providers, "github": github},
+    )
+    client = McpHttp(small.mcp_url)
+    tokens = [token_for(user, audience=small.mcp_url) for user in users]
+    try:
+        await warm_up(client, tokens[0])
+        asked = [await client.call_tool(token, "disconnect_account", GITHUB) for token in tokens]
+        fake_github.revoke_fault, fake_github.sticky_faults = "timeout", True
+        confirmations = [
+            asyncio.create_task(
+                client.call_tool(
+                    token,
+                    "disconnect_account",
+                    GITHUB,
+                    input_responses=CONFIRM,
+                    request_state=question.json()["result"]["requestState"],
+                )
+            )
+            for token, question in zip(tokens, asked, strict=True)
+        ]
+        async with asyncio.timeout(10):
+            while fake_github.revocations < len(users):
+                await asyncio.sleep(0.02)
+
+        left = [await count_rows(db, "connections", subject=user) for user in users]
+        ready = await client.http.get(f"{small.url}/readyz")
+        answers = await asyncio.wait_for(asyncio.gather(*confirmations), timeout=30)
+    finally:
+        fake_github.reset()
+        await client.aclose()
+        small.stop()
+
+    assert left == [0, 0]
+    assert ready.status_code == 200, ready.text
+    for answer in answers:
+        result = tool_result(answer)
+        assert result["structuredContent"]["status"] == "disconnected"
+        assert result["structuredContent"]["revoked_upstream"] is False
+        assert "could not confirm" in result["content"][0]["text"]
 
 
 async def test_disconnect_button_revokes_the_grant_upstream_and_deletes_the_connection(

@@ -51,6 +51,7 @@ TokenFault = Literal[
     "refresh_invalid",
 ]  # fmt: skip
 ServerFault = Literal["500"]
+RevokeFault = Literal["500", "timeout"]
 
 METADATA_URL = "http://169.254.169.254/latest"
 TIMEOUT_SECONDS = 60.0
@@ -109,7 +110,7 @@ class FakeGitHub:
     sticky_faults: bool
     token_fault: TokenFault | None
     user_fault: ServerFault | None
-    revoke_fault: ServerFault | None
+    revoke_fault: RevokeFault | None
     authorize_hits: int
     token_calls: int
     refresh_calls: int
@@ -422,8 +423,11 @@ class FakeGitHub:
 
     async def _revoke(self, request: Request) -> Response:
         self.revocations += 1
-        if self._take("revoke_fault") == "500":
+        fault: RevokeFault | None = self._take("revoke_fault")
+        if fault == "500":
             return JSONResponse({"message": "Server Error"}, status_code=500)
+        if fault == "timeout":
+            await self._pause(TIMEOUT_SECONDS)
         if request.path_params["client_id"] != self.client_id or not self._client_ok(request):
             return self._bad_credentials()
         try:
