@@ -44,6 +44,7 @@ async def start(
     provider = runtime.settings.providers.get(flow.provider)
     if not isinstance(provider, OAuthProviderSettings):
         raise NotFound()
+    await session.commit()  # the reads are done: no connection waits on the provider's discovery
     try:
         target = await oauth_service.start(session, runtime, flow=flow, provider=provider)
     except oauth.UpstreamError:
@@ -109,6 +110,7 @@ async def _checked(
     if (code is None) == (error is None):
         raise CallbackRefused(400, "code_xor_error", flow)
     provider = runtime.settings.providers.get(flow.provider)
+    await session.commit()  # the reads are done: no connection waits on the provider's discovery
     if isinstance(provider, OAuthProviderSettings) and not await _issuer_ok(
         runtime, provider, params.get("iss")
     ):

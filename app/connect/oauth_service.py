@@ -99,7 +99,12 @@ async def start(
     provider: OAuthProviderSettings,
 ) -> str | None:
     """Arm the flow with a fresh single-use state and PKCE verifier; the authorize URL to send
-    the browser to, or None if the flow can no longer be started."""
+    the browser to, or None if the flow can no longer be started.
+
+    The endpoints come first: an `oidc` provider's discovery document may have to be fetched, and
+    no row lock is held while it is (the caller has ended its reads: no connection either).
+    """
+    target = await endpoints(runtime, provider)
     state, verifier = random_token(), random_token() + random_token()
     won = await flows.transition(
         session,
@@ -115,7 +120,6 @@ async def start(
     )
     if not won:
         return None
-    target = await endpoints(runtime, provider)
     return oauth.authorize_url(
         provider,
         endpoint=target.authorize_url,

@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
 from typing import Any
 
 import httpx2
@@ -299,18 +302,66 @@ async def test_f9_failed_profile_call_keeps_the_connection_without_a_name(
 # ------------------------------------------------------------------------------------------------
 
 
+HOLD_SECONDS = 8.0  # below the broker's 10 s read timeout for provider documents
+
+
+class HangingIssuer:
+    """An OpenID issuer that holds every request (its discovery document first) until `release`
+    is set, at most HOLD_SECONDS, then answers 503."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.release = threading.Event()
+        issuer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                issuer.requests += 1
+                issuer.release.wait(HOLD_SECONDS)
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> HangingIssuer:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
 @dataclass(frozen=True)
 class Dedicated:
     idp: IdpProcess
     broker: BrokerProcess
     fake: FakeGitHub
+    slow_issuer: HangingIssuer
+
+
+DEDICATED_POOL_SIZE = 2  # pool_size: as many connections again may overflow
 
 
 @pytest.fixture(scope="module")
 def dedicated(workdir: Any) -> Iterator[Dedicated]:
-    """A broker whose `github` gives up after 2 s and whose `ghdown` points at a closed port (and
-    an API-key `demo`; a database pool of 2), with its own IdP (which knows its login callback)
-    and its own fake GitHub."""
+    """A broker whose `github` gives up after 2 s, whose `ghdown` points at a closed port and
+    whose `oidc` provider `slowdisco` has an issuer that holds its requests (and an API-key
+    `demo`; a database pool of 2), with its own IdP (which knows its login callback) and its own
+    fake GitHub."""
     port = free_port()
     idp_config = IdpConfig(
         resources=[f"http://127.0.0.1:{port}/mcp"],
@@ -324,8 +375,20 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
     )
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     redirect_uri = f"http://127.0.0.1:{port}/oauth/github/callback"
-    with running_idp(idp_config, workdir) as idp, FakeGitHub(redirect_uri=redirect_uri) as fake:
+    with (
+        running_idp(idp_config, workdir) as idp,
+        FakeGitHub(redirect_uri=redirect_uri) as fake,
+        HangingIssuer() as slow_issuer,
+    ):
         github = {**github_provider(fake), "timeout_seconds": DEADLINE_SECONDS}
+        slowdisco = {
+            "kind": "oidc",
+            "display_name": "Slow Discovery",
+            "issuer": slow_issuer.url,
+            "client_id": "broker-slowdisco",
+            "client_secret": "slowdisco-client-secret",
+            "scopes": ["openid"],
+        }
         ghdown = {
             **github_provider(fake),
             "display_name": "GitHub Down",
@@ -335,12 +398,18 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
         config = BrokerConfig(
             issuer=idp.issuer,
             port=port,
-            providers={"github": github, "ghdown": ghdown, "demo": DEMO_PROVIDER},
-            extra={"database": {"pool_size": 2}},  # R6: fewer than the exchanges it holds up
+            providers={
+                "github": github,
+                "ghdown": ghdown,
+                "slowdisco": slowdisco,
+                "demo": DEMO_PROVIDER,
+            },
+            # R6: fewer than the exchanges it holds up
+            extra={"database": {"pool_size": DEDICATED_POOL_SIZE}},
         )
         name = f"deadline-{secrets.token_hex(3)}"
         with running_broker(config, workdir, name=name) as broker:
-            yield Dedicated(idp, broker, fake)
+            yield Dedicated(idp, broker, fake, slow_issuer)
 
 
 @dataclass(frozen=True)
@@ -416,6 +485,57 @@ async def test_f10_unreachable_authorize_endpoint_still_gets_a_303_and_the_flow_
     row = await flow_row(clients.db, round_one.flow_id) or {}
     assert row["status"] == "authorizing" and row["failure"] is None
     assert await count_rows(clients.db, "connections", subject=user) == 0
+
+
+async def test_t21_starts_waiting_for_a_provider_s_discovery_hold_no_database_connection(
+    dedicated: Dedicated, clients: DedicatedClients
+) -> None:
+    """T21 (slow provider responses). The first start of an `oidc` provider's flow fetches the
+    provider's discovery document. While as many starts as the broker's pool has connections
+    wait on an issuer that does not answer, another user's page still loads (it needs the
+    database); released, each start says the provider could not be reached, and its flow is
+    still `pending`, ready to be started again."""
+    issuer = dedicated.slow_issuer
+    users = [fresh_user("t21-disco") for _ in range(2 * DEDICATED_POOL_SIZE)]
+    browsers = [Browser(dedicated.broker.url) for _ in users]
+    other = Browser(dedicated.broker.url)
+    try:
+        flow_ids = []
+        for browser, user in zip(browsers, users, strict=True):
+            round_one = await elicit(
+                clients.mcp, clients.token(dedicated, user), {"provider": "slowdisco"}
+            )
+            await browser.login_as(user, next_path=f"/connect/{round_one.flow_id}")
+            flow_ids.append(round_one.flow_id)
+        await other.login_as(fresh_user("t21-other"))
+        csrfs = [
+            await browser.csrf_token(f"/connect/{flow_id}")
+            for browser, flow_id in zip(browsers, flow_ids, strict=True)
+        ]
+        starts = [
+            asyncio.create_task(browser.post(f"/connect/{flow_id}/start", data={"csrf": csrf}))
+            for browser, flow_id, csrf in zip(browsers, flow_ids, csrfs, strict=True)
+        ]
+        async with asyncio.timeout(5):
+            while issuer.requests < 1:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # every start is in, waiting on that one fetch
+
+        page = await other.get("/connections")
+        all_waiting = not any(start.done() for start in starts)
+        issuer.release.set()
+        answers = await asyncio.gather(*starts)
+        rows = [await flow_row(clients.db, flow_id) or {} for flow_id in flow_ids]
+    finally:
+        issuer.release.set()
+        for browser in [*browsers, other]:
+            await browser.aclose()
+
+    assert page.status_code == 200, page.text
+    assert all_waiting
+    assert [answer.status_code for answer in answers] == [502] * len(users)
+    assert "The provider could not be reached" in answers[0].text
+    assert [row["status"] for row in rows] == ["pending"] * len(users)
 
 
 HANGING_EXCHANGES = 10
