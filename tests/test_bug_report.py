@@ -85,3 +85,57 @@ def test_a_cycle_in_the_chain_ends_the_walk() -> None:
 @pytest.mark.parametrize("exc", [KeyError(SECRETS[0]), StoreError(SECRETS[2])])
 def test_an_exception_never_raised_is_its_type_alone(exc: BaseException) -> None:
     assert redacted_traceback(exc) == _standard_with_messages_withheld(exc)
+
+
+def _fail(secret: str) -> None:
+    raise ValueError(secret)
+
+
+def _group() -> BaseException:
+    """A group of: a ValueError, a StoreError caused by a KeyError, and a group of a TypeError;
+    wrapped in a RuntimeError. Every message holds a secret."""
+    members: list[Exception] = []
+    try:
+        _fail(SECRETS[0])
+    except ValueError as exc:
+        members.append(exc)
+    try:
+        try:
+            _read(SECRETS[1])
+        except KeyError as cause:
+            raise StoreError(SECRETS[2]) from cause
+    except StoreError as exc:
+        members.append(exc)
+    members.append(ExceptionGroup(f"inner {SECRETS[0]}", [TypeError(SECRETS[1])]))
+    try:
+        try:
+            raise ExceptionGroup(f"outer {SECRETS[2]}", members)
+        except ExceptionGroup as group:
+            raise RuntimeError(SECRETS[0]) from group
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+def test_an_exception_group_lists_each_member_with_its_own_chain() -> None:
+    text = redacted_traceback(_group())
+    lines = text.splitlines()
+
+    for secret in SECRETS:
+        assert secret not in text
+    exception_lines = [line for line in lines if line.endswith(f": {WITHHELD}")]
+    assert [line.split(":")[0].strip(" |") for line in exception_lines] == [
+        "ExceptionGroup",
+        "ValueError",
+        "KeyError",
+        "tests.test_bug_report.StoreError",
+        "ExceptionGroup",
+        "TypeError",
+        "RuntimeError",
+    ]
+    assert "  +---------------- 1 of 3 ----------------" in lines
+    assert "  |   +---------------- 1 of 1 ----------------" in lines
+    assert any(line.startswith("  |   File ") and line.endswith("in _fail") for line in lines)
+    assert "  | The above exception was the direct cause of the following exception:" in lines
+    assert lines[-1] == f"RuntimeError: {WITHHELD}"
+    assert all(line == line.rstrip() for line in lines)
