@@ -10,14 +10,14 @@ F2, F3 and F10 use a dedicated broker whose GitHub provider has a 2 s deadline; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 
 import httpx2
@@ -305,44 +305,41 @@ async def test_f9_failed_profile_call_keeps_the_connection_without_a_name(
 HOLD_SECONDS = 8.0  # below the broker's 10 s read timeout for provider documents
 
 
+@dataclass
 class HangingIssuer:
-    """An OpenID issuer that holds every request (its discovery document first) until `release`
-    is set, at most HOLD_SECONDS, then answers 503."""
+    """An OpenID issuer at `url` that holds every request (its discovery document first) until
+    `release` is set, at most HOLD_SECONDS, then answers 503."""
 
-    def __init__(self) -> None:
-        self.requests = 0
-        self.release = threading.Event()
-        issuer = self
+    url: str = ""
+    requests: int = 0
+    release: threading.Event = field(default_factory=threading.Event)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                issuer.requests += 1
-                issuer.release.wait(HOLD_SECONDS)
-                self.send_response(503)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return
+@contextlib.contextmanager
+def hanging_issuer() -> Iterator[HangingIssuer]:
+    issuer = HangingIssuer()
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            issuer.requests += 1
+            issuer.release.wait(HOLD_SECONDS)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
-    def __enter__(self) -> HangingIssuer:
-        self._thread.start()
-        return self
+        def log_message(self, format: str, *args: Any) -> None:
+            return
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release.set()
-        self._server.shutdown()
-        self._server.server_close()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    issuer.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield issuer
+    finally:
+        issuer.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 @dataclass(frozen=True)
@@ -378,7 +375,7 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
     with (
         running_idp(idp_config, workdir) as idp,
         FakeGitHub(redirect_uri=redirect_uri) as fake,
-        HangingIssuer() as slow_issuer,
+        hanging_issuer() as slow_issuer,
     ):
         github = {**github_provider(fake), "timeout_seconds": DEADLINE_SECONDS}
         slowdisco = {

@@ -286,6 +286,34 @@ async def test_concurrent_calls_on_every_process_refresh_upstream_exactly_once(
     assert [text.count("POST /mcp 200") for text in logged] == [CALLS_PER_PROCESS] * len(logs)
 
 
+async def users_with_github(
+    broker: BrokerProcess, mcp: McpHttp, token_for: Any, prefix: str, count: int
+) -> list[str]:
+    """`count` fresh users, each of whom has connected GitHub (in a browser of their own)."""
+    users = [fresh_user(f"{prefix}-{n}") for n in range(count)]
+    for user in users:
+        browser = Browser(broker.url)
+        try:
+            await connect(mcp, browser, token_for(user), user)
+        finally:
+            await browser.aclose()
+    return users
+
+
+def small_pool_replica(
+    broker: BrokerProcess, name: str, *, github_timeout_seconds: float
+) -> BrokerProcess:
+    """A replica of `broker` with 2 database connections (pool_size 1 + 1 overflow) and a GitHub
+    provider that gives up after `github_timeout_seconds`."""
+    github = {**broker.config.providers["github"], "timeout_seconds": github_timeout_seconds}
+    return serve_replica(
+        broker,
+        name=name,
+        extra={**broker.config.extra, "database": {"pool_size": 1}},
+        providers={**broker.config.providers, "github": github},
+    )
+
+
 async def test_t21_refreshes_stuck_at_a_slow_provider_leave_the_database_to_the_rest(
     broker: BrokerProcess, mcp: McpHttp, token_for: Any, fake_github: FakeGitHub, db: AsyncEngine
 ) -> None:
@@ -295,20 +323,8 @@ async def test_t21_refreshes_stuck_at_a_slow_provider_leave_the_database_to_the_
     /readyz still gets a connection; each call gets an answer (a tool result made with the stored
     token, which is still valid, or 503 to retry shortly)."""
     fake_github.expiring_tokens = True
-    users = [fresh_user(f"slow-refresh-{n}") for n in range(2)]
-    for user in users:
-        browser = Browser(broker.url)
-        try:
-            await connect(mcp, browser, token_for(user), user)
-        finally:
-            await browser.aclose()
-    github = {**broker.config.providers["github"], "timeout_seconds": 4}
-    small = serve_replica(
-        broker,
-        name="small-pool",
-        extra={**broker.config.extra, "database": {"pool_size": 1}},
-        providers={**broker.config.providers, "github": github},
-    )
+    users = await users_with_github(broker, mcp, token_for, "slow-refresh", 2)
+    small = small_pool_replica(broker, "small-pool", github_timeout_seconds=4)
     client = McpHttp(small.mcp_url)
     tokens = [token_for(user, audience=small.mcp_url) for user in users]
     try:
@@ -439,20 +455,8 @@ async def test_t21_revocations_stuck_at_a_slow_provider_hold_no_database_connect
     GitHub is asked to revoke: on a replica with 2 connections (pool_size 1 + 1 overflow), while
     two users' revocations hang at GitHub, both connections are already gone and /readyz still
     gets a connection; each disconnect then says the revocation was not confirmed."""
-    users = [fresh_user(f"slow-revoke-{n}") for n in range(2)]
-    for user in users:
-        browser = Browser(broker.url)
-        try:
-            await connect(mcp, browser, token_for(user), user)
-        finally:
-            await browser.aclose()
-    github = {**broker.config.providers["github"], "timeout_seconds": 3}
-    small = serve_replica(
-        broker,
-        name="small-pool-revoke",
-        extra={**broker.config.extra, "database": {"pool_size": 1}},
-        providers={**broker.config.providers, "github": github},
-    )
+    users = await users_with_github(broker, mcp, token_for, "slow-revoke", 2)
+    small = small_pool_replica(broker, "small-pool-revoke", github_timeout_seconds=3)
     client = McpHttp(small.mcp_url)
     tokens = [token_for(user, audience=small.mcp_url) for user in users]
     try:
