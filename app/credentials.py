@@ -22,7 +22,7 @@ from app import jsonbytes
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
-from app.models import Connection, ConnectionStatus
+from app.models import Connection, ConnectionStatus, PendingRevocation
 
 logger = logging.getLogger("broker.security")
 
@@ -50,8 +50,8 @@ class ConnectionInfo:
     connected_at: datetime
 
 
-class SealedRow(Protocol):
-    """A stored connection as read by the ORM (`Connection`) or the direct store."""
+class SealedSecret(Protocol):
+    """A row holding sealed tokens: a connection, or a revocation still to make."""
 
     @property
     def id(self) -> int: ...
@@ -65,6 +65,11 @@ class SealedRow(Protocol):
     def audience(self) -> str: ...
     @property
     def sealed_credential(self) -> str: ...
+
+
+class SealedRow(SealedSecret, Protocol):
+    """A stored connection as read by the ORM (`Connection`) or the direct store."""
+
     @property
     def scopes(self) -> str: ...
     @property
@@ -143,7 +148,7 @@ async def find(
     return (await session.execute(statement)).scalar_one_or_none()
 
 
-def open_row(row: SealedRow, *, keys: Keyring) -> dict[str, str] | None:
+def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
     """The row's secret fields, or None (logged) when no configured key opens them."""
     principal = Principal(row.issuer, row.subject)
     try:
@@ -155,9 +160,15 @@ def open_row(row: SealedRow, *, keys: Keyring) -> dict[str, str] | None:
             )
         )
     except (InvalidSeal, ValueError):
-        logger.warning("credential.decrypt_failed provider=%s connection=%s", row.provider, row.id)
+        logger.warning(
+            "credential.decrypt_failed provider=%s %s=%s", row.provider, _kind(row), row.id
+        )
         return None
     return secret if isinstance(secret, dict) else None
+
+
+def _kind(row: SealedSecret) -> str:
+    return "revocation" if isinstance(row, PendingRevocation) else "connection"
 
 
 def as_credential(row: SealedRow, secret: dict[str, str]) -> Credential:
@@ -232,24 +243,32 @@ async def remove(
 
 
 async def reseal_all(session: AsyncSession, *, keys: Keyring) -> int:
-    """Re-encrypt every credential not sealed with the active key (after a key rotation).
+    """Re-encrypt every credential not sealed with the active key (after a key rotation): the
+    connections' and those of revocations still to make.
 
     Rows that no configured key opens are left untouched and logged.
     """
     active_id, _ = keys.current()
-    rows = (
-        await session.execute(select(Connection).where(Connection.key_id != active_id))
-    ).scalars()
-    count = 0
-    for row in rows:
-        purpose = _purpose(Principal(row.issuer, row.subject), row.provider, row.audience)
-        try:
-            plaintext = unseal(row.sealed_credential, purpose=purpose, keys=keys)
-        except InvalidSeal:
-            logger.warning("credential.decrypt_failed connection=%s", row.id)
-            continue
-        row.sealed_credential = seal(plaintext, purpose=purpose, keys=keys)
-        row.key_id = active_id
-        count += 1
+    connections = await session.execute(select(Connection).where(Connection.key_id != active_id))
+    revocations = await session.execute(
+        select(PendingRevocation).where(PendingRevocation.key_id != active_id)
+    )
+    rows: list[Connection | PendingRevocation] = [
+        *connections.scalars(),
+        *revocations.scalars(),
+    ]
+    count = sum(_reseal(row, keys=keys) for row in rows)
     await session.flush()
     return count
+
+
+def _reseal(row: Connection | PendingRevocation, *, keys: Keyring) -> bool:
+    purpose = _purpose(Principal(row.issuer, row.subject), row.provider, row.audience)
+    try:
+        plaintext = unseal(row.sealed_credential, purpose=purpose, keys=keys)
+    except InvalidSeal:
+        logger.warning("credential.decrypt_failed %s=%s", _kind(row), row.id)
+        return False
+    row.sealed_credential = seal(plaintext, purpose=purpose, keys=keys)
+    row.key_id = sealed_key_id(row.sealed_credential)
+    return True

@@ -23,7 +23,7 @@ from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache
 from app.collector import settle_for_serving
 from app.config import Settings
-from app.connect import oauth_pages, pages
+from app.connect import oauth_pages, pages, revocations
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.crypto import Keyring, constant_time_equal
@@ -54,7 +54,7 @@ from app.runtime import Runtime
 logger = logging.getLogger("broker")
 ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the database
 
-PURGE_INTERVAL_SECONDS = 60
+HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due revocations retried
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
 METRICS_PATH = "/metrics"
@@ -173,13 +173,13 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await runtime.notifier.start()
         settle_for_serving()
-        purger = asyncio.create_task(_purge_forever(runtime))
+        housekeeping = asyncio.create_task(_housekeeping_forever(runtime))
         try:
             yield
         finally:
-            purger.cancel()
+            housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await purger
+                await housekeeping
             await runtime.notifier.stop()
             await runtime.http.aclose()
             answered = await runtime.direct.close()
@@ -234,7 +234,7 @@ def create_app(
     return app
 
 
-async def _purge_forever(runtime: Runtime) -> None:
+async def _housekeeping_forever(runtime: Runtime) -> None:
     while True:
         try:
             expired, deleted = await flows.purge(runtime.sessionmaker)
@@ -244,7 +244,11 @@ async def _purge_forever(runtime: Runtime) -> None:
                 logger.info("flows.purged expired=%d deleted=%d", expired, deleted)
         except DATABASE_ERRORS as exc:
             logger.warning("flows.purge_failed error=%s", type(exc).__name__)
-        await asyncio.sleep(PURGE_INTERVAL_SECONDS)
+        try:
+            await revocations.sweep(runtime)
+        except DATABASE_ERRORS as exc:
+            logger.warning("revocation.sweep_failed error=%s", type(exc).__name__)
+        await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 
 async def _resource_metadata(request: Request) -> Response:

@@ -141,6 +141,32 @@ class Connection(Base):
         return f"Connection(id={self.id}, provider={self.provider!r}, status={self.status!r})"
 
 
+class PendingRevocation(Base):
+    """A grant a disconnect deleted here but the provider has not yet confirmed revoking.
+
+    Written in the transaction that deletes the connection, with the connection's sealed tokens
+    (same associated data), so a process that stops before the provider answers leaves the work
+    behind: app/connect/revocations.py retries it until confirmed or given up.
+    """
+
+    __tablename__ = "pending_revocations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    issuer: Mapped[str] = mapped_column(String(255))
+    subject: Mapped[str] = mapped_column(String(255))
+    provider: Mapped[str] = mapped_column(String(64))
+    audience: Mapped[str] = mapped_column(String(64))
+    sealed_credential: Mapped[str] = mapped_column(Text)  # unsealed only in app/credentials.py
+    key_id: Mapped[str] = mapped_column(String(32))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(String(64))
+    next_attempt_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"PendingRevocation(id={self.id}, provider={self.provider!r})"
+
+
 class LoginSession(Base):
     """A browser's login at the broker; the cookie holds a random id, this row its digest."""
 

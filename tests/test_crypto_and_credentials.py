@@ -13,11 +13,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import credentials
 from app.auth.principal import McpCaller, Principal
+from app.connect import revocations
 from app.crypto import InvalidSeal, Keyring, generate_key, random_token, seal, unseal
 from app.db import create_engine, create_sessionmaker
 from app.mcp.request_state import RequestStateCodec
 from app.migrate import upgrade
-from app.models import Connection
+from app.models import Connection, PendingRevocation
 
 from .support.broker import drop_database, fresh_database
 
@@ -137,6 +138,39 @@ async def test_i5_rotation_reseals_every_row_and_old_keys_can_then_go(
     assert count == 3
     assert key_ids == {"k2"}
     assert after == "sk_b"
+
+
+async def test_i5_rotation_reseals_the_tokens_of_revocations_still_to_make(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """A disconnect queues the grant's sealed tokens for revocation (app/connect/revocations.py):
+    `keys rotate` re-seals them too, or dropping the old key would leave them unopenable."""
+    old, new = generate_key("k1"), generate_key("k2")
+    async with sessions.begin() as session:
+        await credentials.store(
+            session,
+            keys=Keyring.parse((old,)),
+            principal=Principal("iss", "leaving"),
+            provider="github",
+            audience="mcp",
+            secret={"access_token": "gho_leaving"},
+        )
+    async with sessions.begin() as session:
+        row = (
+            await session.execute(select(Connection).where(Connection.subject == "leaving"))
+        ).scalar_one()
+        revocations.queue(session, row)
+        await session.delete(row)
+
+    async with sessions.begin() as session:
+        count = await credentials.reseal_all(session, keys=Keyring.parse((new, old)))
+    async with sessions() as session:
+        queued = (await session.execute(select(PendingRevocation))).scalar_one()
+        opened = credentials.open_row(queued, keys=Keyring.parse((new,)))
+
+    assert count == 1
+    assert queued.key_id == "k2"
+    assert opened == {"access_token": "gho_leaving"}
 
 
 def test_i5_request_state_signed_with_an_old_key_verifies_until_that_key_is_removed() -> None:

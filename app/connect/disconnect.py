@@ -1,8 +1,10 @@
 """Disconnecting: delete the credential, then revoke upstream where the provider supports it.
 
-The deletion is committed before the provider is asked: whatever the provider answers, and however
-long it takes, no usable credential stays behind, and no pooled connection or row lock is held
-while it answers (SECURITY.md T21). The caller reports an upstream failure to the user.
+The deletion, and the queued revocation of the grant (app/connect/revocations.py), are committed
+before the provider is asked: whatever the provider answers, and however long it takes, no usable
+credential stays behind, and no pooled connection or row lock is held while it answers
+(SECURITY.md T21). A revocation the provider does not confirm now is retried by the broker; the
+caller tells the user it is not confirmed yet.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
 from app.auth.principal import Principal
-from app.providers import oauth
-from app.providers.settings import OAuthProviderSettings
+from app.connect import revocations
+from app.errors import DATABASE_ERRORS
 from app.runtime import Runtime
 
 logger = logging.getLogger("broker.providers")
@@ -25,7 +27,7 @@ logger = logging.getLogger("broker.providers")
 class Disconnected:
     existed: bool
     revoked_upstream: bool  # False when the provider has no revocation or it failed
-    upstream_failed: bool
+    upstream_failed: bool  # the provider did not confirm: the broker keeps trying
 
 
 async def disconnect(
@@ -36,22 +38,35 @@ async def disconnect(
     provider: str,
     audience: str,
 ) -> Disconnected:
-    """Delete the connection and commit `session`, then revoke the grant upstream."""
+    """Delete the connection (queueing its revocation) and commit `session`, then ask the
+    provider to revoke the grant."""
     row = await credentials.find(
         session, principal=principal, provider=provider, audience=audience, for_update=True
     )
     if row is None:
         return Disconnected(existed=False, revoked_upstream=False, upstream_failed=False)
     secret = credentials.open_row(row, keys=runtime.sealing_keys)
+    pending = (
+        revocations.queue(session, row)
+        if secret and revocations.revocable(runtime, provider)
+        else None
+    )
     await credentials.remove(session, principal=principal, provider=provider, audience=audience)
+    await session.flush()
     await session.commit()
-    settings = runtime.settings.providers.get(provider)
-    revoked = failed = False
-    if isinstance(settings, OAuthProviderSettings) and settings.revokes and secret:
-        try:
-            await oauth.revoke(settings, runtime.http, secret)
-            revoked = True
-        except oauth.UpstreamError as exc:
-            failed = True
-            logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, exc.reason)
-    return Disconnected(existed=True, revoked_upstream=revoked, upstream_failed=failed)
+    if pending is None:
+        return Disconnected(existed=True, revoked_upstream=False, upstream_failed=False)
+    claimed = revocations.Claimed(pending.id, provider, attempts=0, secret=secret)
+    failure = await revocations.attempt(runtime, claimed)
+    if failure is not None:
+        logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, failure)
+    try:
+        await revocations.settle(session, runtime, claimed, failure)
+        await session.commit()
+    except DATABASE_ERRORS as exc:  # the queued row stays: the sweep asks the provider again
+        logger.warning(
+            "revocation.settle_failed provider=%s error=%s", provider, type(exc).__name__
+        )
+    return Disconnected(
+        existed=True, revoked_upstream=failure is None, upstream_failed=failure is not None
+    )

@@ -229,10 +229,11 @@ async def disconnect(
         return render(
             request,
             "errors/error.html",
-            title="Disconnected here; revoke it at the provider too",
+            title="Disconnected here; the provider has not confirmed yet",
             message="The connection was removed from the broker, but the provider could not "
-            "confirm revoking its grant.",
-            next_step="Revoke the app's access in the provider's settings.",
+            "confirm revoking its grant yet. The broker keeps asking it for a few hours.",
+            next_step="To end the grant at once, revoke the app's access in the provider's "
+            "settings.",
         )
     return RedirectResponse("/connections", status_code=303)
 

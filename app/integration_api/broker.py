@@ -120,7 +120,9 @@ class Disconnection(BaseModel):
     provider: str
     status: Literal["disconnected"] = "disconnected"
     revoked_upstream: bool = Field(description="the provider confirmed the revocation")
-    upstream_failed: bool = Field(description="the provider refused or failed the revocation")
+    upstream_failed: bool = Field(
+        description="the provider did not confirm the revocation yet; the broker retries it"
+    )
 
 
 def readable_audiences(runtime: Runtime, service: Service) -> tuple[str, ...]:

@@ -153,7 +153,8 @@ class BrokerTools:
                     audience=BROKER_AUDIENCE,
                 )
             note = (
-                f" {name} could not confirm revoking its grant; revoke it there too."
+                f" {name} could not confirm revoking its grant yet; the broker keeps asking it"
+                f" for a few hours. To end the grant at once, revoke it in your {name} settings."
                 if outcome.upstream_failed
                 else ""
             )

@@ -426,8 +426,8 @@ class FakeGitHub:
         fault: RevokeFault | None = self._take("revoke_fault")
         if fault == "500":
             return JSONResponse({"message": "Server Error"}, status_code=500)
-        if fault == "timeout":
-            await self._pause(TIMEOUT_SECONDS)
+        if fault == "timeout" and not await self._pause(TIMEOUT_SECONDS):
+            return JSONResponse({"message": "Service Unavailable"}, status_code=503)
         if request.path_params["client_id"] != self.client_id or not self._client_ok(request):
             return self._bad_credentials()
         try:

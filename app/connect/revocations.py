@@ -1,0 +1,191 @@
+"""Revoking a disconnected grant at its provider, until the provider confirms (DESIGN.md §3.3).
+
+A disconnect deletes the connection and, in the same transaction, queues its grant here
+(`queue`); it then asks the provider once itself. Whatever stops that attempt (a provider error or
+timeout, the process dying before it asks) leaves the row, and the housekeeping loop
+(app/main.py) asks again (`sweep`): after FIRST_RETRY_SECONDS, doubling up to MAX_RETRY_SECONDS,
+MAX_ATTEMPTS times in all (the last about four hours after the first). Then the grant is given up
+with a `revocation.abandoned` security event, for an operator to revoke it by hand. Each attempt
+is claimed by moving `next_attempt_at` CLAIM_SECONDS ahead in one conditional UPDATE, so with many
+replicas one process makes it; no database connection is held while a provider answers
+(SECURITY.md T21).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.dml import ReturningUpdate
+
+from app import credentials
+from app.clock import utcnow
+from app.models import Connection, PendingRevocation
+from app.providers import oauth
+from app.providers.settings import OAuthProviderSettings
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker.providers")
+
+FIRST_RETRY_SECONDS = 60
+MAX_RETRY_SECONDS = 3600
+MAX_ATTEMPTS = 10
+# Longer than any provider's deadline (at most 60 s): a claim outlives the attempt it covers.
+CLAIM_SECONDS = 120
+SWEEP_BATCH = 20
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A queued revocation this process is attempting now."""
+
+    id: int
+    provider: str
+    attempts: int  # made before this one
+    secret: dict[str, str] | None = field(repr=False)
+
+
+def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
+    """Queue the revocation of the grant in `row` (being deleted in the same transaction). Its
+    first attempt is the caller's: the sweep leaves it alone for CLAIM_SECONDS."""
+    now = utcnow()
+    pending = PendingRevocation(
+        issuer=row.issuer,
+        subject=row.subject,
+        provider=row.provider,
+        audience=row.audience,
+        sealed_credential=row.sealed_credential,  # sealed for the same owner, provider, audience
+        key_id=row.key_id,
+        attempts=0,
+        next_attempt_at=now + timedelta(seconds=CLAIM_SECONDS),
+        created_at=now,
+    )
+    session.add(pending)
+    return pending
+
+
+def revocable(runtime: Runtime, provider: str) -> OAuthProviderSettings | None:
+    """The provider's settings if it can revoke a grant, else None."""
+    settings = runtime.settings.providers.get(provider)
+    if isinstance(settings, OAuthProviderSettings) and settings.revokes:
+        return settings
+    return None
+
+
+async def attempt(runtime: Runtime, claimed: Claimed) -> str | None:
+    """Ask the provider to revoke: None once it confirms, else why not."""
+    settings = revocable(runtime, claimed.provider)
+    if settings is None:
+        return "provider_not_configured"
+    if not claimed.secret:
+        return "credential_unreadable"
+    try:
+        await oauth.revoke(settings, runtime.http, claimed.secret)
+    except oauth.UpstreamError as exc:
+        return exc.reason
+    return None
+
+
+async def settle(
+    session: AsyncSession, runtime: Runtime, claimed: Claimed, failure: str | None
+) -> None:
+    """Record an attempt's outcome (the caller commits): confirmed and given-up revocations
+    leave the queue; others wait for their next attempt."""
+    attempts = claimed.attempts + 1
+    final = failure in ("provider_not_configured", "credential_unreadable")
+    if failure is not None and not final and attempts < MAX_ATTEMPTS:
+        await session.execute(
+            update(PendingRevocation)
+            .where(PendingRevocation.id == claimed.id)
+            .values(
+                attempts=attempts,
+                last_error=failure[:64],
+                next_attempt_at=utcnow() + retry_delay(attempts),
+            )
+            .execution_options(synchronize_session=False)
+        )
+        logger.info(
+            "revocation.retry_scheduled provider=%s revocation=%d attempts=%d reason=%s",
+            claimed.provider,
+            claimed.id,
+            attempts,
+            failure,
+        )
+        return
+    await session.execute(
+        delete(PendingRevocation)
+        .where(PendingRevocation.id == claimed.id)
+        .execution_options(synchronize_session=False)
+    )
+    if failure is None:
+        logger.info(
+            "revocation.confirmed provider=%s revocation=%d attempts=%d",
+            claimed.provider,
+            claimed.id,
+            attempts,
+        )
+    else:
+        runtime.audit(
+            "revocation.abandoned",
+            provider=claimed.provider,
+            revocation=str(claimed.id),
+            attempts=str(attempts),
+            reason=failure,
+        )
+
+
+def retry_delay(attempts: int) -> timedelta:
+    """How long after the `attempts`-th failed attempt the next one is due."""
+    return timedelta(seconds=min(FIRST_RETRY_SECONDS * 2 ** (attempts - 1), MAX_RETRY_SECONDS))
+
+
+async def sweep(runtime: Runtime) -> int:
+    """Attempt every due revocation (up to SWEEP_BATCH): how many were attempted."""
+    claimed = await _claim_due(runtime)
+    if not claimed:
+        return 0
+    failures = await asyncio.gather(*(attempt(runtime, item) for item in claimed))
+    async with runtime.sessionmaker.begin() as session:
+        for item, failure in zip(claimed, failures, strict=True):
+            await settle(session, runtime, item, failure)
+    return len(claimed)
+
+
+def claim_due(now: datetime) -> ReturningUpdate[PendingRevocation]:
+    """One statement that claims the due revocations (up to SWEEP_BATCH) and returns them.
+
+    The outer `next_attempt_at <= now` is not redundant: on PostgreSQL, an UPDATE that waited for
+    a row another transaction was claiming re-checks its WHERE on the row as that transaction
+    left it, but not the subquery that chose the row.
+    """
+    due = (
+        select(PendingRevocation.id)
+        .where(PendingRevocation.next_attempt_at <= now)
+        .order_by(PendingRevocation.next_attempt_at)
+        .limit(SWEEP_BATCH)
+    )
+    return (
+        update(PendingRevocation)
+        .where(PendingRevocation.id.in_(due), PendingRevocation.next_attempt_at <= now)
+        .values(next_attempt_at=now + timedelta(seconds=CLAIM_SECONDS))
+        .returning(PendingRevocation)
+        .execution_options(synchronize_session=False)
+    )
+
+
+async def _claim_due(runtime: Runtime) -> list[Claimed]:
+    async with runtime.sessionmaker.begin() as session:
+        rows = list((await session.execute(claim_due(utcnow()))).scalars())
+    return [
+        Claimed(
+            row.id,
+            row.provider,
+            row.attempts,
+            credentials.open_row(row, keys=runtime.sealing_keys),
+        )
+        for row in rows
+    ]
