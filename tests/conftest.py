@@ -19,6 +19,7 @@ from app.db import create_engine
 from .support.broker import BrokerConfig, BrokerProcess, running_broker
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
+from .support.fake_slack import FakeSlack, running_fake_slack
 from .support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
 
 ARTIFACTS = Path(os.environ.get("BROKER_TEST_ARTIFACTS", "test-artifacts")).resolve()
@@ -69,6 +70,13 @@ def fake_github(broker_port: int) -> Iterator[FakeGitHub]:
 
 
 @pytest.fixture(scope="session")
+def fake_slack(broker_port: int) -> Iterator[FakeSlack]:
+    """The third-party boundary for the Slack preset (tests/support/fake_slack.py)."""
+    with running_fake_slack(f"http://127.0.0.1:{broker_port}/oauth/slack/callback") as fake:
+        yield fake
+
+
+@pytest.fixture(scope="session")
 def provider_idp(workdir: Path, broker_port: int) -> Iterator[IdpProcess]:
     """A second, unrelated oidc-provider playing a generic OpenID provider ("acme")."""
     config = IdpConfig(
@@ -98,6 +106,18 @@ def github_provider(fake: FakeGitHub) -> dict[str, Any]:
     }
 
 
+def slack_provider(fake: FakeSlack) -> dict[str, Any]:
+    return {
+        "kind": "oauth2",
+        "preset": "slack",
+        "client_id": fake.client_id,
+        "client_secret": fake.client_secret,
+        "authorize_url": fake.authorize_url,
+        "token_url": fake.token_url,
+        "revocation_url": fake.revocation_url,
+    }
+
+
 def acme_provider(provider_idp: IdpProcess) -> dict[str, Any]:
     return {
         "kind": "oidc",
@@ -114,7 +134,11 @@ def acme_provider(provider_idp: IdpProcess) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def broker_config(
-    idp: IdpProcess, broker_port: int, fake_github: FakeGitHub, provider_idp: IdpProcess
+    idp: IdpProcess,
+    broker_port: int,
+    fake_github: FakeGitHub,
+    fake_slack: FakeSlack,
+    provider_idp: IdpProcess,
 ) -> BrokerConfig:
     return BrokerConfig(
         issuer=idp.issuer,
@@ -123,6 +147,7 @@ def broker_config(
             "demo": DEMO_PROVIDER,
             "github": github_provider(fake_github),
             "acme": acme_provider(provider_idp),
+            "slack": slack_provider(fake_slack),
         },
     )
 

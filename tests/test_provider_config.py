@@ -174,7 +174,9 @@ def test_presets_carry_the_provider_quirks(tmp_path: Path) -> None:
     assert github.api_base_url == "https://api.github.com"
     assert oauth(settings, "google").issuer == "https://accounts.google.com"
     assert oauth(settings, "google").authorize_params["access_type"] == "offline"
-    assert oauth(settings, "slack").scope_separator == ","
+    slack = oauth(settings, "slack")
+    assert (slack.scope_separator, slack.scope_parameter) == (",", "user_scope")
+    assert (slack.token_member, slack.token_types) == ("authed_user", ("user",))
     assert oauth(settings, "linear").scope_separator == ","
     assert oauth(settings, "notion").client_auth_method == "client_secret_basic"
     assert oauth(settings, "notion").authorize_params == {"owner": "user"}

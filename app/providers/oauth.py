@@ -28,7 +28,19 @@ from app.providers.upstream import get_json, parse_body, send_capped
 
 logger = logging.getLogger("broker.providers")
 
-INVALID_GRANT_ERRORS = {"invalid_grant", "bad_refresh_token", "bad_verification_code"}
+# The code or refresh token itself refused: RFC 6749's name, GitHub's and Slack's.
+INVALID_GRANT_ERRORS = {
+    "invalid_grant",
+    "bad_refresh_token",
+    "bad_verification_code",
+    "invalid_code",
+    "code_already_used",
+    "invalid_refresh_token",
+}
+
+
+# A revocation answered with these finds the token already dead: what revoking it was for.
+TOKEN_GONE_ERRORS = {"invalid_auth", "token_revoked", "token_expired", "account_inactive"}
 
 
 class InvalidGrant(UpstreamError):
@@ -73,7 +85,7 @@ def authorize_url(
         **provider.authorize_params,
     }
     if scopes:
-        params["scope"] = provider.scope_separator.join(scopes)
+        params[provider.scope_parameter] = provider.scope_separator.join(scopes)
     if provider.pkce:
         params["code_challenge"] = b64encode(hashlib.sha256(verifier.encode()).digest())
         params["code_challenge_method"] = "S256"
@@ -102,7 +114,7 @@ async def exchange_code(
     if provider.pkce:
         data["code_verifier"] = verifier
     body = await _token_request(provider, http, token_url, data)
-    return _token_set(body, requested, provider.token_types)
+    return _token_set(body, requested, provider)
 
 
 async def refresh(
@@ -121,7 +133,7 @@ async def refresh(
     """
     data = {"grant_type": "refresh_token", "refresh_token": refresh_token}
     body = await _token_request(provider, http, token_url, data)
-    return _token_set(body, tuple(sorted(current_scopes)), provider.token_types)
+    return _token_set(body, tuple(sorted(current_scopes)), provider)
 
 
 async def account_label(
@@ -185,6 +197,22 @@ async def revoke(
         ) from None
     if response.status_code not in (200, 204, 404):
         raise UpstreamError(f"revocation_status_{response.status_code}")
+    refusal = _error_in_body(response)
+    if refusal is not None and refusal not in TOKEN_GONE_ERRORS:  # Slack: errors come in a 200
+        raise UpstreamError(f"revocation_error:{refusal[:40]}")
+
+
+def _error_in_body(response: httpx2.Response) -> str | None:
+    """The error a JSON body reports (`{"ok": false, "error": …}`, `{"error": …}`), if any."""
+    if "json" not in response.headers.get("content-type", "") or not response.content:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or (body.get("ok", True) is not False and not body.get("error")):
+        return None
+    return str(body.get("error") or "not_ok")
 
 
 def _client_form(provider: OAuthProviderSettings) -> dict[str, str]:
@@ -233,20 +261,22 @@ async def _token_request(
 
 
 def _token_set(
-    body: dict[str, Any], requested: tuple[str, ...], token_types: tuple[str, ...] = ("bearer",)
+    body: dict[str, Any], requested: tuple[str, ...], provider: OAuthProviderSettings
 ) -> TokenSet:
-    access_token = body.get("access_token")
+    member = body.get(provider.token_member) if provider.token_member else None
+    fields: dict[str, Any] = member if isinstance(member, dict) else body
+    access_token = fields.get("access_token")
     if not isinstance(access_token, str) or not access_token:
         raise UpstreamError("missing_access_token")
-    token_type = str(body.get("token_type", "bearer"))
-    if token_type.lower() not in token_types:
+    token_type = str(fields.get("token_type", "bearer"))
+    if token_type.lower() not in provider.token_types:
         raise UpstreamError("unsupported_token_type")
-    refresh_token = body.get("refresh_token")
-    expires_in = body.get("expires_in")
+    refresh_token = fields.get("refresh_token")
+    expires_in = fields.get("expires_in")
     expires_at = None
     if isinstance(expires_in, int | float | str) and str(expires_in).isdigit():
         expires_at = datetime.now(UTC) + timedelta(seconds=int(expires_in))
-    granted = body.get("scope")
+    granted = fields.get("scope")
     if isinstance(granted, str):
         scopes = frozenset(granted.replace(",", " ").split())
     else:
@@ -254,7 +284,8 @@ def _token_set(
     extra = {
         k: v
         for k, v in body.items()
-        if k not in ("access_token", "refresh_token", "id_token") and not isinstance(v, list)
+        if k not in ("access_token", "refresh_token", "id_token", provider.token_member)
+        and not isinstance(v, list)
     }
     return TokenSet(
         access_token=access_token,

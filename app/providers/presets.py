@@ -53,10 +53,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "authorize_url": "https://slack.com/oauth/v2/authorize",
         "token_url": "https://slack.com/api/oauth.v2.access",
         "revocation_url": "https://slack.com/api/auth.revoke",
+        # the user's own token (`user_scope`, answered under `authed_user`), not the app's bot
         "scopes": ["users:read"],
         "scope_separator": ",",
+        "scope_parameter": "user_scope",
+        "token_member": "authed_user",
+        "token_types": ["user"],
         "account_label_claim": "team.name",
-        "token_types": ["bearer", "bot"],  # oauth.v2.access answers token_type "bot"
     },
     "microsoft": {
         "kind": "oauth2",

@@ -111,12 +111,16 @@ class OAuthProviderSettings(_Provider):
     api_base_url: str | None = None
     scopes: tuple[str, ...] = Field(default=(), validate_default=True)
     scope_separator: str = " "
+    scope_parameter: str = Field(default="scope", pattern=r"^[a-z_]{1,32}$")  # Slack: user_scope
     pkce: bool = True
     client_auth_method: Literal["client_secret_basic", "client_secret_post"] = "client_secret_post"
     account_label_claim: str | None = None
     account_label_prefix: str = ""
     authorize_params: dict[str, str] = Field(default_factory=dict)
     token_types: tuple[str, ...] = ("bearer",)  # accepted `token_type`s, compared lower-case
+    # The token response's member holding the token fields, when not the response itself (Slack's
+    # user token: `authed_user`); a response without it (a refresh) is read at the top level.
+    token_member: str | None = Field(default=None, pattern=r"^[a-z_]{1,32}$")
     timeout_seconds: float = Field(default=10, gt=0, le=60)
 
     @field_validator(

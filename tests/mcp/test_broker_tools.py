@@ -314,6 +314,7 @@ async def test_list_providers_marks_which_are_connected(
     others = [
         {"name": "github", "kind": "oauth2", "display_name": "GitHub", "connected": False},
         {"name": "acme", "kind": "oidc", "display_name": "Acme", "connected": False},
+        {"name": "slack", "kind": "oauth2", "display_name": "Slack", "connected": False},
     ]
     assert mine["structuredContent"] == {"providers": [{**demo, "connected": True}, *others]}
     assert theirs["structuredContent"] == {"providers": [{**demo, "connected": False}, *others]}

@@ -397,16 +397,18 @@ async def test_step_up_asks_for_the_union_of_scopes_and_stores_what_was_granted(
 # ------------------------------------------------------------------------------------------------
 
 
-async def disconnect_with_the_tool(mcp: McpHttp, token: str) -> httpx2.Response:
+async def disconnect_with_the_tool(
+    mcp: McpHttp, token: str, provider: str = "github"
+) -> httpx2.Response:
     """disconnect_account, answering its form-mode confirmation with yes."""
-    asked = await mcp.call_tool(token, "disconnect_account", {"provider": "github"})
+    asked = await mcp.call_tool(token, "disconnect_account", {"provider": provider})
     body = asked.json()
     validate_response(body, "InputRequiredResult")
     assert body["result"]["inputRequests"]["confirm_disconnect"]["params"]["mode"] == "form"
     return await mcp.call_tool(
         token,
         "disconnect_account",
-        {"provider": "github"},
+        {"provider": provider},
         input_responses=CONFIRM,
         request_state=body["result"]["requestState"],
     )

@@ -1,0 +1,114 @@
+"""The Slack preset against a fake Slack (tests/support/fake_slack.py): the broker connects the
+user's own token (asked with `user_scope`, answered under `authed_user`), not the app's bot token,
+and reads Slack's Web API errors, which come in a 200, when it revokes on disconnect.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from sqlalchemy import delete
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app import credentials
+from app.crypto import Keyring
+from app.models import PendingRevocation
+
+from ..conftest import count_rows
+from ..support.broker import BrokerProcess
+from ..support.clients import Browser, McpHttp
+from ..support.fake_slack import FakeSlack
+from .flows import connect, tool_result
+from .helpers import connection_row
+from .helpers import unique as fresh_user
+from .test_refresh_revoke import disconnect_with_the_tool
+
+SLACK = {"provider": "slack"}
+
+
+async def connect_slack(mcp: McpHttp, browser: Browser, token_for: Any, prefix: str) -> str:
+    user = fresh_user(prefix)
+    await connect(mcp, browser, token_for(user), user, SLACK)
+    return user
+
+
+async def stored_secret(broker: BrokerProcess, db: AsyncEngine, user: str) -> dict[str, str]:
+    row = SimpleNamespace(**await connection_row(db, user, "slack"))
+    keys = Keyring.parse(tuple(broker.config.encryption))
+    secret = credentials.open_row(row, keys=keys)
+    assert secret is not None
+    return secret
+
+
+async def test_slack_connects_the_user_s_own_token(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    broker: BrokerProcess,
+    fake_slack: FakeSlack,
+    db: AsyncEngine,
+) -> None:
+    """The authorize request names the scopes as `user_scope`; the stored credential is the
+    `authed_user` token (xoxp-…); the account is the workspace's name."""
+    user = await connect_slack(mcp, browser, token_for, "slack-user")
+
+    asked = fake_slack.authorize_requests[-1]
+    listed = tool_result(await mcp.call_tool(token_for(user), "list_connections"))
+    secret = await stored_secret(broker, db, user)
+
+    assert asked["user_scope"] == "users:read"
+    assert "scope" not in asked
+    (item,) = listed["structuredContent"]["connections"]
+    assert (item["provider"], item["account"]) == ("slack", "Acme Workspace")
+    assert secret == {"access_token": fake_slack.issued_user_tokens[-1]}
+    assert secret["access_token"].startswith("xoxp-")
+
+
+async def test_slack_disconnect_revokes_the_user_s_token(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_slack: FakeSlack, db: AsyncEngine
+) -> None:
+    user = await connect_slack(mcp, browser, token_for, "slack-revoke")
+    slack_token = fake_slack.issued_user_tokens[-1]
+
+    done = await disconnect_with_the_tool(mcp, token_for(user), "slack")
+
+    assert tool_result(done)["structuredContent"]["revoked_upstream"] is True
+    assert fake_slack.revocations[-1] == slack_token
+    assert not fake_slack.works(slack_token)
+    assert await count_rows(db, "pending_revocations", subject=user) == 0
+
+
+async def test_slack_s_error_in_a_200_is_not_taken_for_a_revocation(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_slack: FakeSlack, db: AsyncEngine
+) -> None:
+    """auth.revoke answers `{"ok": false, "error": "fatal_error"}` with a 200: the user is told
+    the revocation is not confirmed, and it stays queued for the broker to retry."""
+    user = await connect_slack(mcp, browser, token_for, "slack-not-ok")
+    slack_token = fake_slack.issued_user_tokens[-1]
+    fake_slack.revoke_fault = "not_ok"
+
+    done = await disconnect_with_the_tool(mcp, token_for(user), "slack")
+    queued = await count_rows(db, "pending_revocations", subject=user)
+    async with db.begin() as connection:  # leave nothing for the broker's own sweep
+        await connection.execute(delete(PendingRevocation).where(PendingRevocation.subject == user))
+
+    result = tool_result(done)
+    assert result["structuredContent"]["revoked_upstream"] is False
+    assert "could not confirm" in result["content"][0]["text"]
+    assert fake_slack.works(slack_token)
+    assert queued == 1
+
+
+async def test_a_slack_token_already_dead_counts_as_revoked(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_slack: FakeSlack, db: AsyncEngine
+) -> None:
+    """The user removed the app in Slack first: auth.revoke answers `invalid_auth`, which is
+    what revoking was for; nothing is left to retry."""
+    user = await connect_slack(mcp, browser, token_for, "slack-dead")
+    fake_slack.kill(fake_slack.issued_user_tokens[-1])
+
+    done = await disconnect_with_the_tool(mcp, token_for(user), "slack")
+
+    assert tool_result(done)["structuredContent"]["revoked_upstream"] is True
+    assert await count_rows(db, "pending_revocations", subject=user) == 0

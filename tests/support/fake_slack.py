@@ -1,0 +1,168 @@
+"""A small fake Slack: the OAuth v2 endpoints the Slack preset uses, with Slack's quirks.
+
+Slack asks for a user's own token with `user_scope` (not `scope`) and answers it under
+`authed_user`, beside the workspace (`team`); its Web API answers every error with a 200 and
+`{"ok": false, "error": …}`. `auth.test` tells whether a token still works; `auth.revoke` ends it.
+`revoke_fault = "not_ok"` makes the next revocation answer `{"ok": false, "error": "fatal_error"}`.
+Tokens carry the `CANARYTOKEN` mark for the I1 sweep.
+
+Served by the standard library's threading HTTP server on 127.0.0.1:0, in daemon threads.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+TEAM = {"id": "T0CANARY", "name": "Acme Workspace"}
+
+
+@dataclass
+class FakeSlack:
+    redirect_uri: str
+    client_id: str = "slack-client-id"
+    client_secret: str = "slack-client-secret"
+    url: str = ""
+    revoke_fault: Literal["not_ok"] | None = None
+    authorize_requests: list[dict[str, str]] = field(default_factory=list)
+    issued_user_tokens: list[str] = field(default_factory=list)
+    revocations: list[str] = field(default_factory=list)
+    _codes: dict[str, str] = field(default_factory=dict)  # code -> granted user scopes
+    _live: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def authorize_url(self) -> str:
+        return f"{self.url}/oauth/v2/authorize"
+
+    @property
+    def token_url(self) -> str:
+        return f"{self.url}/api/oauth.v2.access"
+
+    @property
+    def revocation_url(self) -> str:
+        return f"{self.url}/api/auth.revoke"
+
+    def works(self, token: str) -> bool:
+        """What `auth.test` would say of the token."""
+        with self._lock:
+            return token in self._live
+
+    def kill(self, token: str) -> None:
+        """The token stops working, as when the user removes the app in Slack."""
+        with self._lock:
+            self._live.discard(token)
+
+    def authorize(self, query: dict[str, str]) -> tuple[int, dict[str, str]]:
+        self.authorize_requests.append(query)
+        if query.get("client_id") != self.client_id or query.get("redirect_uri") != (
+            self.redirect_uri
+        ):
+            return 400, {}
+        code = f"CANARYCODE{secrets.token_hex(8)}"
+        with self._lock:
+            self._codes[code] = query.get("user_scope", "")
+        return 302, {
+            "Location": f"{self.redirect_uri}?{urlencode({'code': code, **_state(query)})}"
+        }
+
+    def access(self, form: dict[str, str]) -> dict[str, Any]:
+        if (form.get("client_id"), form.get("client_secret")) != (
+            self.client_id,
+            self.client_secret,
+        ):
+            return {"ok": False, "error": "invalid_client_id"}
+        with self._lock:
+            scopes = self._codes.pop(form.get("code", ""), None)
+            if scopes is None:
+                return {"ok": False, "error": "invalid_code"}
+            token = f"xoxp-CANARYTOKEN{secrets.token_hex(8)}"
+            self._live.add(token)
+            self.issued_user_tokens.append(token)
+        return {
+            "ok": True,
+            "app_id": "A0CANARY",
+            "authed_user": {
+                "id": "U0CANARY",
+                "scope": scopes,
+                "access_token": token,
+                "token_type": "user",
+            },
+            "team": TEAM,
+            "enterprise": None,
+            "is_enterprise_install": False,
+        }
+
+    def revoke(self, form: dict[str, str]) -> dict[str, Any]:
+        token = form.get("token", "")
+        with self._lock:
+            self.revocations.append(token)
+            if self.revoke_fault == "not_ok":
+                self.revoke_fault = None
+                return {"ok": False, "error": "fatal_error"}
+            if token not in self._live:
+                return {"ok": False, "error": "invalid_auth"}
+            self._live.discard(token)
+        return {"ok": True, "revoked": True}
+
+
+def _state(query: dict[str, str]) -> dict[str, str]:
+    return {"state": query["state"]} if "state" in query else {}
+
+
+@contextmanager
+def running_fake_slack(redirect_uri: str) -> Iterator[FakeSlack]:
+    fake = FakeSlack(redirect_uri=redirect_uri)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            parts = urlsplit(self.path)
+            if parts.path != "/oauth/v2/authorize":
+                self._json(404, {"ok": False, "error": "unknown_method"})
+                return
+            status, headers = fake.authorize(dict(parse_qsl(parts.query)))
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            form = dict(parse_qsl(self.rfile.read(length).decode()))
+            path = urlsplit(self.path).path
+            if path == "/api/oauth.v2.access":
+                self._json(200, fake.access(form))
+            elif path == "/api/auth.revoke":
+                self._json(200, fake.revoke(form))
+            else:
+                self._json(404, {"ok": False, "error": "unknown_method"})
+
+        def _json(self, status: int, body: dict[str, Any]) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json; charset=utf-8")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, name="fake-slack", daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
