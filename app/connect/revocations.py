@@ -37,6 +37,9 @@ MAX_ATTEMPTS = 10
 # Longer than any provider's deadline (at most 60 s): a claim outlives the attempt it covers.
 CLAIM_SECONDS = 120
 SWEEP_BATCH = 20
+# Failures no later attempt can cure: the grant is given up at once.
+NOT_CONFIGURED = "provider_not_configured"
+UNREADABLE = "credential_unreadable"
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,9 @@ async def attempt(runtime: Runtime, claimed: Claimed) -> str | None:
     """Ask the provider to revoke: None once it confirms, else why not."""
     settings = revocable(runtime, claimed.provider)
     if settings is None:
-        return "provider_not_configured"
+        return NOT_CONFIGURED
     if not claimed.secret:
-        return "credential_unreadable"
+        return UNREADABLE
     try:
         await oauth.revoke(settings, runtime.http, claimed.secret)
     except oauth.UpstreamError as exc:
@@ -96,8 +99,7 @@ async def settle(
     """Record an attempt's outcome (the caller commits): confirmed and given-up revocations
     leave the queue; others wait for their next attempt."""
     attempts = claimed.attempts + 1
-    final = failure in ("provider_not_configured", "credential_unreadable")
-    if failure is not None and not final and attempts < MAX_ATTEMPTS:
+    if failure not in (None, NOT_CONFIGURED, UNREADABLE) and attempts < MAX_ATTEMPTS:
         await session.execute(
             update(PendingRevocation)
             .where(PendingRevocation.id == claimed.id)
