@@ -52,8 +52,7 @@ async def disconnect(
         else None
     )
     await credentials.remove(session, principal=principal, provider=provider, audience=audience)
-    await session.flush()
-    await session.commit()
+    await session.commit()  # flushes `pending`: its id is set
     if pending is None:
         return Disconnected(existed=True, revoked_upstream=False, upstream_failed=False)
     claimed = revocations.Claimed(pending.id, provider, attempts=0, secret=secret)
