@@ -9,7 +9,6 @@ errors in a 200, F5). A code exchange is never retried: the code may be spent.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import logging
@@ -172,45 +171,45 @@ async def revoke(
     """
     if provider.revocation == "none" or not provider.revokes:
         return
+    if provider.revocation == "github":
+        base = provider.api_base_url or "https://api.github.com"
+        request = http.build_request(
+            "DELETE",
+            f"{base}/applications/{provider.client_id}/grant",
+            json={"access_token": secret["access_token"]},
+            headers={"Accept": "application/vnd.github+json", **_basic_credentials(provider)},
+        )
+    else:
+        assert provider.revocation_url is not None
+        token = secret.get("refresh_token") or secret["access_token"]
+        request = http.build_request(
+            "POST",
+            provider.revocation_url,
+            data={"token": token, **_client_form(provider)},
+            headers=_basic_header(provider),
+        )
     try:
-        async with asyncio.timeout(provider.timeout_seconds):
-            if provider.revocation == "github":
-                base = provider.api_base_url or "https://api.github.com"
-                response = await http.request(
-                    "DELETE",
-                    f"{base}/applications/{provider.client_id}/grant",
-                    json={"access_token": secret["access_token"]},
-                    auth=(provider.client_id, provider.client_secret.get_secret_value()),
-                    headers={"Accept": "application/vnd.github+json"},
-                )
-            else:
-                assert provider.revocation_url is not None
-                token = secret.get("refresh_token") or secret["access_token"]
-                response = await http.post(
-                    provider.revocation_url,
-                    data={"token": token, **_client_form(provider)},
-                    headers=_basic_header(provider),
-                )
-    except (TimeoutError, httpx2.HTTPError) as exc:
-        raise UpstreamError(
-            "revocation_unreachable", timed_out=isinstance(exc, TimeoutError)
-        ) from None
-    if response.status_code not in (200, 204, 404):
-        raise UpstreamError(f"revocation_status_{response.status_code}")
-    refusal = _error_in_body(response)
+        status, content_type, raw = await send_capped(provider, http, request)
+    except UpstreamError as exc:
+        unreachable = exc.timed_out or exc.reason.startswith("network:")
+        reason = "revocation_unreachable" if unreachable else f"revocation_{exc.reason}"
+        raise UpstreamError(reason, timed_out=exc.timed_out) from None
+    if status not in (200, 204, 404):
+        raise UpstreamError(f"revocation_status_{status}")
+    refusal = _refusal_in_body(content_type, raw)
     if refusal is not None and refusal not in TOKEN_GONE_ERRORS:  # Slack: errors come in a 200
         raise UpstreamError(f"revocation_error:{refusal[:40]}")
 
 
-def _error_in_body(response: httpx2.Response) -> str | None:
+def _refusal_in_body(content_type: str, raw: bytes) -> str | None:
     """The error a JSON body reports (`{"ok": false, "error": …}`, `{"error": …}`), if any."""
-    if "json" not in response.headers.get("content-type", "") or not response.content:
+    if "json" not in content_type or not raw:
         return None
     try:
-        body = response.json()
-    except ValueError:
+        body = parse_body(content_type, raw)
+    except UpstreamError:  # not an error report: the status already said yes
         return None
-    if not isinstance(body, dict) or (body.get("ok", True) is not False and not body.get("error")):
+    if body.get("ok", True) is not False and not body.get("error"):
         return None
     return str(body.get("error") or "not_ok")
 
@@ -227,6 +226,10 @@ def _client_form(provider: OAuthProviderSettings) -> dict[str, str]:
 def _basic_header(provider: OAuthProviderSettings) -> dict[str, str]:
     if provider.client_auth_method != "client_secret_basic":
         return {}
+    return _basic_credentials(provider)
+
+
+def _basic_credentials(provider: OAuthProviderSettings) -> dict[str, str]:
     pair = f"{provider.client_id}:{provider.client_secret.get_secret_value()}"
     return {"Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
 

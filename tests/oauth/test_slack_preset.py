@@ -23,6 +23,7 @@ from .flows import connect, tool_result
 from .helpers import connection_row
 from .helpers import unique as fresh_user
 from .test_refresh_revoke import disconnect_with_the_tool
+from .test_revocation_retries import pending_for
 
 SLACK = {"provider": "slack"}
 
@@ -98,6 +99,23 @@ async def test_slack_s_error_in_a_200_is_not_taken_for_a_revocation(
     assert "could not confirm" in result["content"][0]["text"]
     assert fake_slack.works(slack_token)
     assert queued == 1
+
+
+async def test_a_revocation_answer_past_the_size_cap_is_not_taken_for_a_confirmation(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_slack: FakeSlack, db: AsyncEngine
+) -> None:
+    """Revocation answers are read under the cap every provider answer has (64 KiB): a 96 KiB
+    body is not read to its end, so the revocation is not confirmed and stays queued."""
+    user = await connect_slack(mcp, browser, token_for, "slack-huge")
+    fake_slack.revoke_fault = "huge"
+
+    done = await disconnect_with_the_tool(mcp, token_for(user), "slack")
+    queued = await pending_for(db, user)
+    async with db.begin() as connection:  # leave nothing for the broker's own sweep
+        await connection.execute(delete(PendingRevocation).where(PendingRevocation.subject == user))
+
+    assert tool_result(done)["structuredContent"]["revoked_upstream"] is False
+    assert queued == [(1, "revocation_response_too_large")]
 
 
 async def test_a_slack_token_already_dead_counts_as_revoked(

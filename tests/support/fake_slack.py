@@ -3,7 +3,8 @@
 Slack asks for a user's own token with `user_scope` (not `scope`) and answers it under
 `authed_user`, beside the workspace (`team`); its Web API answers every error with a 200 and
 `{"ok": false, "error": …}`. `auth.test` tells whether a token still works; `auth.revoke` ends it.
-`revoke_fault = "not_ok"` makes the next revocation answer `{"ok": false, "error": "fatal_error"}`.
+`revoke_fault = "not_ok"` makes the next revocation answer `{"ok": false, "error": "fatal_error"}`;
+`"huge"`, a 200 of 96 KiB (past the broker's cap on provider answers) that revokes nothing.
 Tokens carry the `CANARYTOKEN` mark for the I1 sweep.
 
 Served by the standard library's threading HTTP server on 127.0.0.1:0, in daemon threads.
@@ -30,7 +31,7 @@ class FakeSlack:
     client_id: str = "slack-client-id"
     client_secret: str = "slack-client-secret"
     url: str = ""
-    revoke_fault: Literal["not_ok"] | None = None
+    revoke_fault: Literal["not_ok", "huge"] | None = None
     authorize_requests: list[dict[str, str]] = field(default_factory=list)
     issued_user_tokens: list[str] = field(default_factory=list)
     revocations: list[str] = field(default_factory=list)
@@ -104,9 +105,11 @@ class FakeSlack:
         token = form.get("token", "")
         with self._lock:
             self.revocations.append(token)
-            if self.revoke_fault == "not_ok":
-                self.revoke_fault = None
+            fault, self.revoke_fault = self.revoke_fault, None
+            if fault == "not_ok":
                 return {"ok": False, "error": "fatal_error"}
+            if fault == "huge":
+                return {"ok": True, "revoked": True, "padding": "x" * 96 * 1024}
             if token not in self._live:
                 return {"ok": False, "error": "invalid_auth"}
             self._live.discard(token)
