@@ -83,6 +83,17 @@ def _parser() -> argparse.ArgumentParser:
     revoke = service_commands.add_parser("revoke", help="revoke a service's secret")
     revoke.add_argument("name")
     revoke.set_defaults(handler=_service_revoke)
+
+    pending = commands.add_parser(
+        "revocations", help="grants disconnected but not yet revoked at their provider"
+    )
+    pending_commands = pending.add_subparsers(required=True, metavar="ACTION")
+    pending_list = pending_commands.add_parser(
+        "list",
+        help="one line each, the next due first: id, provider, issuer, subject, attempts, "
+        "last error, next attempt, disconnected at",
+    )
+    pending_list.set_defaults(handler=_revocations_list)
     return parser
 
 
@@ -246,6 +257,18 @@ def _service_revoke(args: argparse.Namespace) -> int:
     done = _with_session(_settings(args), lambda session: services.revoke(session, name=args.name))
     print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
     return 0 if done else 1
+
+
+def _revocations_list(args: argparse.Namespace) -> int:
+    from app.connect import revocations
+
+    for row in _with_session(_settings(args), revocations.listing):
+        print(
+            f"{row.id}\t{row.provider}\t{row.issuer}\t{row.subject}\t{row.attempts}\t"
+            f"{row.last_error or '-'}\t{row.next_attempt_at:%Y-%m-%dT%H:%M:%SZ}\t"
+            f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}"
+        )
+    return 0
 
 
 def _dev(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from app.metrics import RevocationBacklog
 from app.middleware import AccessLog, HostGuard
 from app.resources import resource_dir
 from app.runtime import Runtime
@@ -58,6 +59,7 @@ HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due rev
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
 METRICS_PATH = "/metrics"
+BACKLOG_READ_SECONDS = 2  # well within Prometheus's default scrape timeout (10 s)
 # answered whatever the Host header: probes and scrapes address the process by its own address
 ANY_HOST_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, METRICS_PATH})
 
@@ -251,6 +253,16 @@ async def _housekeeping_forever(runtime: Runtime) -> None:
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 
+async def _revocation_backlog(runtime: Runtime) -> RevocationBacklog | None:
+    """The revocation queue for a scrape, or None when the database does not answer in time."""
+    try:
+        async with asyncio.timeout(BACKLOG_READ_SECONDS), runtime.sessionmaker() as session:
+            return await revocations.backlog(session)
+    except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
+        logger.warning("metrics.backlog_unavailable error=%s", type(exc).__name__)
+        return None
+
+
 async def _resource_metadata(request: Request) -> Response:
     settings: Settings = request.app.state.runtime.settings
     document: dict[str, object] = {
@@ -293,7 +305,7 @@ async def _metrics(request: Request) -> Response:
             headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
         )
     return Response(
-        runtime.metrics.render(),
+        runtime.metrics.render(await _revocation_backlog(runtime)),
         media_type=METRICS_CONTENT_TYPE,
         headers={"Cache-Control": "no-store"},
     )

@@ -1,5 +1,5 @@
 """Prometheus metrics for `GET /metrics`: requests by route, latency, MCP outcomes, security
-events, and the process's own CPU, memory and file descriptors.
+events, the revocation queue, and the process's own CPU, memory and file descriptors.
 
 Counting happens on the hot paths, so it is plain dictionary arithmetic on the event loop's thread
 (about a microsecond a request); prometheus_client only renders the text at scrape time. Every
@@ -7,8 +7,10 @@ label value comes from a fixed set: route templates (`/connect/{flow_id}`, never
 which would put flow ids in the metrics and let a client create series at will), known methods,
 status codes, result types and event names written in the code.
 
-Each process counts for itself: with `serve --workers N` a scrape reports the worker that answered
-it. Run one worker per replica and let Prometheus scrape each replica when exact totals matter.
+The revocation queue is read from the database at scrape time (app/main.py), so it is the same
+from every process. Everything else each process counts for itself: with `serve --workers N` a
+scrape reports the worker that answered it. Run one worker per replica and let Prometheus scrape
+each replica when exact totals matter.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -31,6 +39,13 @@ UNMATCHED_ROUTE = "unmatched"  # no route answered (404s, refused Hosts): never 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # seconds; the request bound (5 s, SECURITY.md R5) falls between the last two
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RevocationBacklog(NamedTuple):
+    """The revocation queue as read at scrape time: database-wide, the same from every process."""
+
+    pending: int
+    oldest_age_seconds: float  # 0 when nothing is pending
 
 
 class _Durations:
@@ -64,6 +79,7 @@ class BrokerMetrics(Collector):
         self.mcp_results: defaultdict[Labels, int] = defaultdict(int)
         self.mcp_errors: defaultdict[Labels, int] = defaultdict(int)
         self.security_events: defaultdict[Labels, int] = defaultdict(int)
+        self._backlog: RevocationBacklog | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -85,8 +101,14 @@ class BrokerMetrics(Collector):
     def security_event(self, event: str) -> None:
         self.security_events[(event,)] += 1
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, backlog: RevocationBacklog | None) -> bytes:
+        """The registry's text; `backlog` None (the database did not answer) leaves its gauges
+        out, so an alert on their absence fires rather than one on a stale value."""
+        self._backlog = backlog
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._backlog = None
 
     def collect(self) -> Iterator[Metric]:
         yield _counter(
@@ -121,6 +143,17 @@ class BrokerMetrics(Collector):
             ("event",),
             self.security_events,
         )
+        if self._backlog is not None:
+            yield GaugeMetricFamily(
+                "broker_pending_revocations",
+                "Disconnected grants whose revocation the provider has not confirmed yet",
+                value=self._backlog.pending,
+            )
+            yield GaugeMetricFamily(
+                "broker_pending_revocation_oldest_age_seconds",
+                "Time since the oldest of those grants was disconnected (0 when there is none)",
+                value=self._backlog.oldest_age_seconds,
+            )
 
 
 def _counter(

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import delete, insert
+
+from app.clock import utcnow
+from app.db import create_engine
+from app.metrics import BrokerMetrics, RevocationBacklog
+from app.models import BROKER_AUDIENCE, PendingRevocation
 
 from .conftest import DEMO_PROVIDER
 from .connect import Stack, dedicated_stack, open_flow, submit_key, unique
@@ -145,3 +152,65 @@ async def test_without_a_configured_token_there_are_no_metrics(
 
     assert response.status_code == 404
     assert "broker_http_requests_total" not in response.text
+
+
+async def test_the_revocation_backlog_is_read_from_the_database_at_each_scrape(
+    stack: Stack, http: httpx2.AsyncClient
+) -> None:
+    """Queued revocations (app/connect/revocations.py) show as a count and the age of the oldest:
+    what an operator alerts on when a provider stops confirming. The value is the database's,
+    not the process's, so any replica's scrape reports the same."""
+    user = unique("metrics-backlog")
+    now = utcnow()
+    db = create_engine(stack.broker.database_url, pool_size=1)
+    try:
+        _, empty = await scrape(http, stack.broker)
+        async with db.begin() as connection:
+            await connection.execute(
+                insert(PendingRevocation),
+                [
+                    {
+                        "issuer": stack.idp.issuer,
+                        "subject": user,
+                        "provider": "github",
+                        "audience": BROKER_AUDIENCE,
+                        "sealed_credential": "v1.k.n.b",
+                        "key_id": "k",
+                        "attempts": attempts,
+                        "next_attempt_at": now + timedelta(minutes=5),
+                        "created_at": now - timedelta(seconds=age),
+                    }
+                    for attempts, age in ((3, 900), (1, 60))
+                ],
+            )
+        text, queued = await scrape(http, stack.broker)
+        async with db.begin() as connection:
+            await connection.execute(
+                delete(PendingRevocation).where(PendingRevocation.subject == user)
+            )
+        _, cleared = await scrape(http, stack.broker)
+    finally:
+        await db.dispose()
+
+    assert value(empty, "broker_pending_revocations") == 0
+    assert value(empty, "broker_pending_revocation_oldest_age_seconds") == 0
+    assert value(queued, "broker_pending_revocations") == 2
+    assert 900 <= value(queued, "broker_pending_revocation_oldest_age_seconds") < 960
+    assert "# TYPE broker_pending_revocations gauge" in text
+    assert user not in text
+    assert value(cleared, "broker_pending_revocations") == 0
+    assert value(cleared, "broker_pending_revocation_oldest_age_seconds") == 0
+
+
+def test_without_the_backlog_its_gauges_are_left_out_not_reported_as_zero() -> None:
+    """A scrape whose database read failed (app/main.py) has no backlog: an alert on the gauges'
+    absence then fires, where a zero would say all is well."""
+    metrics = BrokerMetrics()
+
+    with_backlog = metrics.render(RevocationBacklog(pending=4, oldest_age_seconds=12.5)).decode()
+    without = metrics.render(None).decode()
+
+    assert "broker_pending_revocations 4.0" in with_backlog
+    assert "broker_pending_revocation_oldest_age_seconds 12.5" in with_backlog
+    assert "broker_pending_revocation" not in without
+    assert "process_cpu_seconds_total" in without

@@ -17,6 +17,7 @@ when the database answers again.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ HANG_BOUND_SECONDS = 10.0  # how long the test waits for those answers before it
 PROBE_BOUND_SECONDS = 1.0  # /healthz while the database hangs; answers in milliseconds
 RECOVERY_SECONDS = 10.0
 OUTAGE_SECONDS = 8.0  # R5's is 20 s; 8 s holds two rounds of 4 s statement waits
+SCRAPE_TOKEN = secrets.token_hex(32)
 STOP_BOUND_SECONDS = 10.0  # a clean exit takes well under a second; BrokerProcess.stop kills at 10
 
 
@@ -68,7 +70,10 @@ async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     with (
         FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake,
         dedicated_stack(
-            workdir, "callback-outage", providers={"github": github_provider(fake)}
+            workdir,
+            "callback-outage",
+            providers={"github": github_provider(fake)},
+            extra={"server": {"metrics_token": SCRAPE_TOKEN}},
         ) as stack,
     ):
         fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
@@ -90,7 +95,8 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     """-32603 with HTTP 503 and Retry-After, in bounded time; /healthz 200 throughout, /readyz
     503 while PostgreSQL is away (SQLite's outage is a held write lock: reads, and so readiness,
     go on); within 10 s of the database's return calls and readiness are back, with no
-    restart."""
+    restart. A metrics scrape still answers; the revocation backlog, read from the database, is
+    left out while PostgreSQL is away."""
     stack, outage = outage_stack.stack, outage_stack.outage
     mcp, browser = outage_stack.mcp, outage_stack.browser
     token = stack.token(unique("j1"))
@@ -100,6 +106,9 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     answer, took = await _timed(_round_one(mcp, token))
     health = await browser.get("/healthz")
     ready = await browser.get("/readyz")
+    scrape, scrape_took = await _timed(
+        browser.get("/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"})
+    )
     await outage.end()
     recovered = await _first_success(mcp, token)
     ready_after = await browser.get("/readyz")
@@ -112,6 +121,10 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     assert ready.status_code == (200 if database_kind() == "sqlite" else 503)
     assert recovered < RECOVERY_SECONDS
     assert ready_after.status_code == 200
+    assert scrape.status_code == 200
+    assert scrape_took < ANSWER_BOUND_SECONDS
+    assert "broker_http_requests_total" in scrape.text
+    assert ("broker_pending_revocations " in scrape.text) == (database_kind() == "sqlite")
 
 
 async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes_on_reload(

@@ -18,12 +18,13 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from app import credentials
 from app.clock import utcnow
+from app.metrics import RevocationBacklog
 from app.models import Connection, PendingRevocation
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
@@ -155,6 +156,27 @@ async def sweep(runtime: Runtime) -> int:
         for item, failure in zip(claimed, failures, strict=True):
             await settle(session, runtime, item, failure)
     return len(claimed)
+
+
+async def backlog(session: AsyncSession) -> RevocationBacklog:
+    """How many revocations are queued, and how long the oldest has waited."""
+    pending, oldest = (
+        await session.execute(
+            select(func.count(), func.min(PendingRevocation.created_at)).select_from(
+                PendingRevocation
+            )
+        )
+    ).one()
+    age = (utcnow() - oldest).total_seconds() if oldest is not None else 0.0
+    return RevocationBacklog(pending, max(age, 0.0))
+
+
+async def listing(session: AsyncSession) -> list[PendingRevocation]:
+    """Every queued revocation, the next due first (for `connect-broker revocations list`)."""
+    rows = await session.execute(
+        select(PendingRevocation).order_by(PendingRevocation.next_attempt_at, PendingRevocation.id)
+    )
+    return list(rows.scalars())
 
 
 def claim_due(now: datetime) -> ReturningUpdate[PendingRevocation]:

@@ -31,7 +31,7 @@ from app.models import BROKER_AUDIENCE, PendingRevocation
 from app.runtime import Runtime
 
 from ..conftest import count_rows
-from ..support.broker import BrokerProcess, serve_replica
+from ..support.broker import BrokerProcess, cli, serve_replica
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
 from .flows import connect, tool_result
@@ -308,3 +308,37 @@ async def test_a_revocation_for_a_provider_no_longer_configured_is_dropped(
         and "reason=provider_not_configured" in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_an_operator_lists_the_revocations_still_to_make(
+    broker: BrokerProcess,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+) -> None:
+    """`connect-broker revocations list`: one line per queued revocation, saying whose grant,
+    at which provider, how far the retries went and why; never its tokens."""
+    user, github_token, _ = await disconnected_while_github_fails(
+        mcp, token_for, browser, fake_github, "revoke-list"
+    )
+    async with db.connect() as connection:
+        sealed = (
+            await connection.execute(
+                select(PendingRevocation.sealed_credential).where(PendingRevocation.subject == user)
+            )
+        ).scalar_one()
+
+    listed = cli("revocations", "list", config_path=broker.config_path)
+
+    assert listed.returncode == 0, listed.stderr
+    mine = [line.split("\t") for line in listed.stdout.splitlines() if f"\t{user}\t" in line]
+    assert len(mine) == 1
+    revocation_id, provider, issuer, subject, attempts, error, next_at, queued_at = mine[0]
+    assert int(revocation_id) > 0
+    assert (provider, issuer, subject) == ("github", broker.config.issuer, user)
+    assert (attempts, error) == ("1", "revocation_status_500")
+    assert queued_at < next_at  # ISO 8601 UTC: text order is time order
+    assert github_token not in listed.stdout + listed.stderr
+    assert sealed not in listed.stdout
