@@ -266,8 +266,12 @@ async def _token_request(
 def _token_set(
     body: dict[str, Any], requested: tuple[str, ...], provider: OAuthProviderSettings
 ) -> TokenSet:
+    # The member holds the tokens when it has them (Slack's code exchange); a refresh answers
+    # them at the top level, possibly beside a member that only names the user.
     member = body.get(provider.token_member) if provider.token_member else None
-    fields: dict[str, Any] = member if isinstance(member, dict) else body
+    fields: dict[str, Any] = (
+        member if isinstance(member, dict) and "access_token" in member else body
+    )
     access_token = fields.get("access_token")
     if not isinstance(access_token, str) or not access_token:
         raise UpstreamError("missing_access_token")

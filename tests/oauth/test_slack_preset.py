@@ -1,13 +1,17 @@
 """The Slack preset against a fake Slack (tests/support/fake_slack.py): the broker connects the
 user's own token (asked with `user_scope`, answered under `authed_user`), not the app's bot token,
-and reads Slack's Web API errors, which come in a 200, when it revokes on disconnect.
+reads Slack's Web API errors, which come in a 200, when it revokes on disconnect, and refreshes
+a token of an app with token rotation (the new pair comes at the top level of the answer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -16,10 +20,10 @@ from app.crypto import Keyring
 from app.models import PendingRevocation
 
 from ..conftest import count_rows
-from ..support.broker import BrokerProcess
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
-from ..support.fake_slack import FakeSlack
-from .flows import connect, tool_result
+from ..support.fake_slack import ROTATED_TOKEN_SECONDS, FakeSlack
+from .flows import connect, input_required, make_due, tool_result
 from .helpers import connection_row
 from .helpers import unique as fresh_user
 from .test_refresh_revoke import disconnect_with_the_tool
@@ -130,3 +134,77 @@ async def test_a_slack_token_already_dead_counts_as_revoked(
 
     assert tool_result(done)["structuredContent"]["revoked_upstream"] is True
     assert await count_rows(db, "pending_revocations", subject=user) == 0
+
+
+@pytest.fixture
+def rotating_slack(fake_slack: FakeSlack) -> Iterator[FakeSlack]:
+    """The fake Slack as an app with token rotation, for one test."""
+    fake_slack.rotation = True
+    yield fake_slack
+    fake_slack.rotation = False
+
+
+async def test_a_rotated_slack_token_is_refreshed_before_use_and_the_new_pair_stored(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    broker: BrokerProcess,
+    rotating_slack: FakeSlack,
+    db: AsyncEngine,
+) -> None:
+    """With token rotation the user's token lasts 12 hours. Once due, the next call refreshes it
+    with the stored refresh token, reads the new pair from the top level of Slack's answer (not
+    from the token-less `authed_user` beside it) and stores both."""
+    user = await connect_slack(mcp, browser, token_for, "slack-rotation")
+    first_token = rotating_slack.issued_user_tokens[-1]
+    first_refresh = rotating_slack.issued_refresh_tokens[-1]
+    refreshes_before = len(rotating_slack.refresh_requests)
+    stored = await stored_secret(broker, db, user)
+    row = await connection_row(db, user, "slack")
+    await make_due(db, row["id"])
+
+    called = await mcp.call_tool(token_for(user), "connect_account", SLACK)
+    refreshed = await stored_secret(broker, db, user)
+    after = await connection_row(db, user, "slack")
+
+    assert stored == {"access_token": first_token, "refresh_token": first_refresh}
+    lifetime = timedelta(seconds=ROTATED_TOKEN_SECONDS)
+    assert row["expires_at"] > datetime.now(UTC) + lifetime - timedelta(minutes=5)
+    assert tool_result(called)["structuredContent"]["status"] == "connected"
+    assert [r["refresh_token"] for r in rotating_slack.refresh_requests[refreshes_before:]] == [
+        first_refresh
+    ]
+    assert refreshed == {
+        "access_token": rotating_slack.issued_user_tokens[-1],
+        "refresh_token": rotating_slack.issued_refresh_tokens[-1],
+    }
+    assert refreshed["access_token"] != first_token
+    assert refreshed["refresh_token"] != first_refresh
+    assert after["status"] == "active"
+    assert after["expires_at"] > datetime.now(UTC) + lifetime - timedelta(minutes=5)
+    assert first_token not in called.text and first_refresh not in called.text
+
+
+async def test_a_slack_refresh_refused_after_the_app_was_removed_needs_reauth(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    broker: BrokerProcess,
+    rotating_slack: FakeSlack,
+    db: AsyncEngine,
+) -> None:
+    """Slack answers a dead refresh token with `{"ok": false, "error": "invalid_refresh_token"}`
+    in a 200: the broker takes it as a refused grant, marks the connection `needs_reauth`, and
+    the call elicits a new connect flow."""
+    user = await connect_slack(mcp, browser, token_for, "slack-removed")
+    await make_due(db, (await connection_row(db, user, "slack"))["id"])
+    rotating_slack.remove_app()
+    log = LogWindow(broker)
+    refreshes_before = len(rotating_slack.refresh_requests)
+
+    called = await mcp.call_tool(token_for(user), "connect_account", SLACK)
+
+    assert input_required(called).key == "connect_slack"
+    assert len(rotating_slack.refresh_requests) == refreshes_before + 1
+    assert (await connection_row(db, user, "slack"))["status"] == "needs_reauth"
+    assert await log.shows("credential.refresh_rejected provider=slack")

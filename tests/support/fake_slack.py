@@ -7,6 +7,12 @@ Slack asks for a user's own token with `user_scope` (not `scope`) and answers it
 `"huge"`, a 200 of 96 KiB (past the broker's cap on provider answers) that revokes nothing.
 Tokens carry the `CANARYTOKEN` mark for the I1 sweep.
 
+`rotation = True` is an app with token rotation: the user's token (`xoxe.xoxp-…`) expires in 12
+hours and comes with a refresh token (`xoxe-1-…`). A refresh (`grant_type=refresh_token` at
+oauth.v2.access) spends the refresh token and answers the new pair at the top level, with
+`token_type` "user", as Slack documents; this fake also puts an `authed_user` holding only the
+user's id beside it, which a client must not take for the holder of the tokens.
+
 Served by the standard library's threading HTTP server on 127.0.0.1:0, in daemon threads.
 """
 
@@ -23,6 +29,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 TEAM = {"id": "T0CANARY", "name": "Acme Workspace"}
+ROTATED_TOKEN_SECONDS = 43200  # 12 hours
 
 
 @dataclass
@@ -32,9 +39,13 @@ class FakeSlack:
     client_secret: str = "slack-client-secret"
     url: str = ""
     revoke_fault: Literal["not_ok", "huge"] | None = None
+    rotation: bool = False
     authorize_requests: list[dict[str, str]] = field(default_factory=list)
     issued_user_tokens: list[str] = field(default_factory=list)
     revocations: list[str] = field(default_factory=list)
+    issued_refresh_tokens: list[str] = field(default_factory=list)
+    refresh_requests: list[dict[str, str]] = field(default_factory=list)
+    _refresh_scopes: dict[str, str] = field(default_factory=dict)  # live refresh token -> scopes
     _codes: dict[str, str] = field(default_factory=dict)  # code -> granted user scopes
     _live: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +72,12 @@ class FakeSlack:
         with self._lock:
             self._live.discard(token)
 
+    def remove_app(self) -> None:
+        """Every token and refresh token stops working: the user removed the app in Slack."""
+        with self._lock:
+            self._live.clear()
+            self._refresh_scopes.clear()
+
     def authorize(self, query: dict[str, str]) -> tuple[int, dict[str, str]]:
         self.authorize_requests.append(query)
         if query.get("client_id") != self.client_id or query.get("redirect_uri") != (
@@ -80,26 +97,52 @@ class FakeSlack:
             self.client_secret,
         ):
             return {"ok": False, "error": "invalid_client_id"}
+        if form.get("grant_type") == "refresh_token":
+            return self._refresh(form)
         with self._lock:
             scopes = self._codes.pop(form.get("code", ""), None)
             if scopes is None:
                 return {"ok": False, "error": "invalid_code"}
-            token = f"xoxp-CANARYTOKEN{secrets.token_hex(8)}"
-            self._live.add(token)
-            self.issued_user_tokens.append(token)
+            tokens = self._issue(scopes)
         return {
             "ok": True,
             "app_id": "A0CANARY",
-            "authed_user": {
-                "id": "U0CANARY",
-                "scope": scopes,
-                "access_token": token,
-                "token_type": "user",
-            },
+            "authed_user": {"id": "U0CANARY", **tokens},
             "team": TEAM,
             "enterprise": None,
             "is_enterprise_install": False,
         }
+
+    def _refresh(self, form: dict[str, str]) -> dict[str, Any]:
+        with self._lock:
+            self.refresh_requests.append(form)
+            scopes = self._refresh_scopes.pop(form.get("refresh_token", ""), None)
+            if scopes is None:
+                return {"ok": False, "error": "invalid_refresh_token"}
+            tokens = self._issue(scopes)
+        return {
+            "ok": True,
+            "app_id": "A0CANARY",
+            **tokens,
+            "authed_user": {"id": "U0CANARY"},
+            "team": TEAM,
+            "enterprise": None,
+            "is_enterprise_install": False,
+        }
+
+    def _issue(self, scopes: str) -> dict[str, Any]:
+        """A new user token (with a refresh token under rotation); the caller holds the lock."""
+        prefix = "xoxe.xoxp-" if self.rotation else "xoxp-"
+        token = f"{prefix}CANARYTOKEN{secrets.token_hex(8)}"
+        self._live.add(token)
+        self.issued_user_tokens.append(token)
+        tokens: dict[str, Any] = {"scope": scopes, "access_token": token, "token_type": "user"}
+        if self.rotation:
+            refresh_token = f"xoxe-1-CANARYTOKEN{secrets.token_hex(8)}"
+            self._refresh_scopes[refresh_token] = scopes
+            self.issued_refresh_tokens.append(refresh_token)
+            tokens.update(refresh_token=refresh_token, expires_in=ROTATED_TOKEN_SECONDS)
+        return tokens
 
     def revoke(self, form: dict[str, str]) -> dict[str, Any]:
         token = form.get("token", "")
