@@ -19,11 +19,19 @@ from app import credentials
 from app.crypto import Keyring
 from app.models import PendingRevocation
 
-from ..conftest import count_rows
+from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
 from ..support.fake_slack import ROTATED_TOKEN_SECONDS, FakeSlack
-from .flows import connect, input_required, make_due, tool_result
+from .flows import (
+    authorize,
+    connect,
+    elicit,
+    input_required,
+    make_due,
+    return_to_broker,
+    tool_result,
+)
 from .helpers import connection_row
 from .helpers import unique as fresh_user
 from .test_refresh_revoke import disconnect_with_the_tool
@@ -208,3 +216,24 @@ async def test_a_slack_refresh_refused_after_the_app_was_removed_needs_reauth(
     assert len(rotating_slack.refresh_requests) == refreshes_before + 1
     assert (await connection_row(db, user, "slack"))["status"] == "needs_reauth"
     assert await log.shows("credential.refresh_rejected provider=slack")
+
+
+async def test_an_install_that_granted_only_the_bot_token_connects_nothing(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_slack: FakeSlack, db: AsyncEngine
+) -> None:
+    """The answer has no user token, only the workspace's bot token at the top level: the broker
+    refuses it (`token_type` "bot" is not the user's) and stores nothing; the flow stays open
+    for another try."""
+    user = fresh_user("slack-bot-only")
+    opened = await elicit(mcp, token_for(user), SLACK)
+    await browser.login_as(user, next_path=f"/connect/{opened.flow_id}")
+    callback_url = await authorize(browser, opened.flow_id)
+    fake_slack.bot_only = True
+
+    callback = await return_to_broker(browser, callback_url)
+    flow = await flow_row(db, opened.flow_id) or {}
+
+    assert callback.status_code == 303
+    assert fake_slack.bot_only is False  # the exchange was answered as a bot-only install
+    assert (flow["status"], flow["failure"]) == ("pending", "unsupported_token_type")
+    assert await count_rows(db, "connections", subject=user) == 0

@@ -12,6 +12,9 @@ hours and comes with a refresh token (`xoxe-1-…`). A refresh (`grant_type=refr
 oauth.v2.access) spends the refresh token and answers the new pair at the top level, with
 `token_type` "user", as Slack documents; this fake also puts an `authed_user` holding only the
 user's id beside it, which a client must not take for the holder of the tokens.
+`bot_only = True` answers the next code exchange as an install that granted no user scope: the
+workspace's bot token (`xoxb-…`, `token_type` "bot") at the top level, the user's id alone under
+`authed_user`.
 
 Served by the standard library's threading HTTP server on 127.0.0.1:0, in daemon threads.
 """
@@ -40,6 +43,7 @@ class FakeSlack:
     url: str = ""
     revoke_fault: Literal["not_ok", "huge"] | None = None
     rotation: bool = False
+    bot_only: bool = False
     authorize_requests: list[dict[str, str]] = field(default_factory=list)
     issued_user_tokens: list[str] = field(default_factory=list)
     revocations: list[str] = field(default_factory=list)
@@ -103,6 +107,9 @@ class FakeSlack:
             scopes = self._codes.pop(form.get("code", ""), None)
             if scopes is None:
                 return {"ok": False, "error": "invalid_code"}
+            if self.bot_only:
+                self.bot_only = False
+                return self._bot_install()
             tokens = self._issue(scopes)
         return {
             "ok": True,
@@ -124,6 +131,22 @@ class FakeSlack:
             "ok": True,
             "app_id": "A0CANARY",
             **tokens,
+            "authed_user": {"id": "U0CANARY"},
+            "team": TEAM,
+            "enterprise": None,
+            "is_enterprise_install": False,
+        }
+
+    def _bot_install(self) -> dict[str, Any]:
+        bot_token = f"xoxb-CANARYTOKEN{secrets.token_hex(8)}"
+        self._live.add(bot_token)
+        return {
+            "ok": True,
+            "app_id": "A0CANARY",
+            "access_token": bot_token,
+            "token_type": "bot",
+            "scope": "chat:write",
+            "bot_user_id": "U0BOT",
             "authed_user": {"id": "U0CANARY"},
             "team": TEAM,
             "enterprise": None,
