@@ -40,6 +40,8 @@ from app.templating import render
 router = APIRouter(include_in_schema=False)
 
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
+# Exchanges the provider completed without a token the broker can use (app/providers/oauth.py)
+UNUSABLE_GRANT_FAILURES = frozenset({"missing_access_token", "unsupported_token_type"})
 
 
 class UnexpectedFields(BrokerError):
@@ -256,6 +258,13 @@ def _failure_text(failure: str | None, provider_name: str) -> str | None:
         return None
     if failure == "timeout":
         return f"{provider_name} did not answer in time. Nothing was stored; try again."
+    if failure in UNUSABLE_GRANT_FAILURES:
+        return (
+            f"{provider_name} granted no token for your own account (at most a token of another "
+            "kind, such as an app's or a workspace's). Nothing was stored. Try again and approve "
+            "the permissions asked for your account; if this happens again, the provider's app "
+            "needs its administrator's attention."
+        )
     return (
         f"{provider_name} had a problem completing the connection. Nothing was stored; try again."
     )

@@ -44,6 +44,7 @@ from .helpers import unique as fresh_user
 DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds
 SLACK_SECONDS = 3.0  # process and network overhead allowed on top of a deadline
 TRY_AGAIN = "GitHub had a problem completing the connection. Nothing was stored; try again."
+NO_USABLE_TOKEN = "GitHub granted no token for your own account"
 TOO_SLOW = "GitHub did not answer in time. Nothing was stored; try again."
 CONTINUE_BUTTON = 'data-action="continue"'
 
@@ -192,7 +193,7 @@ async def test_f6_success_without_a_usable_bearer_token_stores_nothing(
     db: AsyncEngine,
 ) -> None:
     """F6. A 200 without `access_token`, or with a token type other than bearer, is a failure:
-    no empty or unusable credential is stored."""
+    no empty or unusable credential is stored, and the page says what went wrong."""
     user = fresh_user("f6")
     flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
     fake_github.token_fault = fault
@@ -203,7 +204,8 @@ async def test_f6_success_without_a_usable_bearer_token_stores_nothing(
     assert callback.status_code == 303
     assert fake_github.token_calls == 1
     await assert_nothing_stored(db, flow_id, user, reason=reason)
-    assert TRY_AGAIN in page.text
+    assert NO_USABLE_TOKEN in page.text
+    assert "Nothing was stored" in page.text
 
 
 async def test_f7_huge_token_response_is_cut_off_at_the_size_cap(

@@ -232,8 +232,11 @@ async def test_an_install_that_granted_only_the_bot_token_connects_nothing(
 
     callback = await return_to_broker(browser, callback_url)
     flow = await flow_row(db, opened.flow_id) or {}
+    page = await browser.get(f"/connect/{opened.flow_id}")
 
     assert callback.status_code == 303
+    assert "Slack granted no token for your own account" in page.text
+    assert "Nothing was stored" in page.text
     assert fake_slack.bot_only is False  # the exchange was answered as a bot-only install
     assert (flow["status"], flow["failure"]) == ("pending", "unsupported_token_type")
     assert await count_rows(db, "connections", subject=user) == 0
