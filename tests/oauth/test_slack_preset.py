@@ -40,6 +40,14 @@ from .test_revocation_retries import pending_for
 SLACK = {"provider": "slack"}
 
 
+@pytest.fixture(autouse=True)
+def _plain_slack(fake_slack: FakeSlack) -> Iterator[None]:
+    """Each test starts from a plain app, and leaves none of its faults to the next."""
+    fake_slack.reset()
+    yield
+    fake_slack.reset()
+
+
 async def connect_slack(mcp: McpHttp, browser: Browser, token_for: Any, prefix: str) -> str:
     user = fresh_user(prefix)
     await connect(mcp, browser, token_for(user), user, SLACK)
@@ -145,11 +153,10 @@ async def test_a_slack_token_already_dead_counts_as_revoked(
 
 
 @pytest.fixture
-def rotating_slack(fake_slack: FakeSlack) -> Iterator[FakeSlack]:
-    """The fake Slack as an app with token rotation, for one test."""
+def rotating_slack(fake_slack: FakeSlack) -> FakeSlack:
+    """The fake Slack as an app with token rotation, for one test (`_plain_slack` undoes it)."""
     fake_slack.rotation = True
-    yield fake_slack
-    fake_slack.rotation = False
+    return fake_slack
 
 
 async def test_a_rotated_slack_token_is_refreshed_before_use_and_the_new_pair_stored(

@@ -76,6 +76,12 @@ class FakeSlack:
         with self._lock:
             self._live.discard(token)
 
+    def reset(self) -> None:
+        """Back to a plain app with no fault set (the fake serves the whole session)."""
+        with self._lock:
+            self.rotation = self.bot_only = False
+            self.revoke_fault = None
+
     def remove_app(self) -> None:
         """Every token and refresh token stops working: the user removed the app in Slack."""
         with self._lock:
