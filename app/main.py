@@ -10,14 +10,13 @@ from urllib.parse import urlsplit
 
 import httpx2
 from fastapi import FastAPI
-from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import login
-from app.auth.bearer import TokenVerifier, bearer_token
+from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache
@@ -26,7 +25,7 @@ from app.config import Settings
 from app.connect import oauth_pages, pages, revocations
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
-from app.crypto import Keyring, constant_time_equal
+from app.crypto import Keyring
 from app.db import create_engine, create_sessionmaker, is_sqlite
 from app.direct import open_direct_store
 from app.errors import (
@@ -46,9 +45,8 @@ from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
-from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from app.metrics import RevocationBacklog
 from app.middleware import AccessLog, HostGuard
+from app.operations import ANY_HOST_PATHS, add_operations_routes
 from app.resources import resource_dir
 from app.runtime import Runtime
 
@@ -56,12 +54,6 @@ logger = logging.getLogger("broker")
 ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the database
 
 HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due revocations retried
-LIVENESS_PATH = "/healthz"
-READINESS_PATH = "/readyz"
-METRICS_PATH = "/metrics"
-BACKLOG_READ_SECONDS = 2  # well within Prometheus's default scrape timeout (10 s)
-# answered whatever the Host header: probes and scrapes address the process by its own address
-ANY_HOST_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, METRICS_PATH})
 
 
 def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
@@ -206,9 +198,7 @@ def create_app(
         "/.well-known/oauth-protected-resource/mcp",
     ):
         app.add_api_route(path, _resource_metadata, include_in_schema=False)
-    app.add_api_route(LIVENESS_PATH, _healthz, include_in_schema=False)
-    app.add_api_route(READINESS_PATH, _readyz, include_in_schema=False)
-    app.add_api_route(METRICS_PATH, _metrics, include_in_schema=False)
+    add_operations_routes(app)
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.include_router(login.router)
     app.include_router(pages.router)
@@ -253,16 +243,6 @@ async def _housekeeping_forever(runtime: Runtime) -> None:
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 
-async def _revocation_backlog(runtime: Runtime) -> RevocationBacklog | None:
-    """The revocation queue for a scrape, or None when the database does not answer in time."""
-    try:
-        async with asyncio.timeout(BACKLOG_READ_SECONDS), runtime.sessionmaker() as session:
-            return await revocations.backlog(session)
-    except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
-        logger.warning("metrics.backlog_unavailable error=%s", type(exc).__name__)
-        return None
-
-
 async def _resource_metadata(request: Request) -> Response:
     settings: Settings = request.app.state.runtime.settings
     document: dict[str, object] = {
@@ -274,41 +254,6 @@ async def _resource_metadata(request: Request) -> Response:
     if settings.identity.required_scopes:
         document["scopes_supported"] = list(settings.identity.required_scopes)
     return JSONResponse(document, headers={"Cache-Control": "public, max-age=3600"})
-
-
-async def _healthz() -> Response:
-    return JSONResponse({"status": "ok"})
-
-
-async def _readyz(request: Request) -> Response:
-    runtime: Runtime = request.app.state.runtime
-    try:
-        async with asyncio.timeout(3), runtime.engine.connect() as connection:
-            await connection.execute(text("SELECT version_num FROM alembic_version"))
-    except (*DATABASE_ERRORS, OSError, TimeoutError):
-        return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
-    return JSONResponse({"status": "ready"})
-
-
-async def _metrics(request: Request) -> Response:
-    """Prometheus text format, for a scrape presenting `[server] metrics_token`; without one
-    configured the path does not exist."""
-    runtime: Runtime = request.app.state.runtime
-    token = runtime.settings.server.metrics_token
-    if token is None:
-        raise StarletteHTTPException(404)
-    presented = bearer_token(request.headers.get("authorization"))
-    if presented is None or not constant_time_equal(presented, token.get_secret_value()):
-        return PlainTextResponse(
-            "Metrics need the bearer token configured as [server] metrics_token.\n",
-            status_code=401,
-            headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
-        )
-    return Response(
-        runtime.metrics.render(await _revocation_backlog(runtime)),
-        media_type=METRICS_CONTENT_TYPE,
-        headers={"Cache-Control": "no-store"},
-    )
 
 
 async def _stylesheet() -> Response:

@@ -1,0 +1,84 @@
+"""The endpoints for orchestrators and monitoring: liveness, readiness and Prometheus metrics.
+
+They answer whatever the Host header (`ANY_HOST_PATHS`): probes and scrapes address each process
+by its own address, not by the public name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import FastAPI
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from app.auth.bearer import bearer_token
+from app.connect import revocations
+from app.crypto import constant_time_equal
+from app.errors import DATABASE_ERRORS
+from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from app.metrics import RevocationBacklog
+from app.runtime import Runtime
+
+logger = logging.getLogger("broker")
+
+LIVENESS_PATH = "/healthz"
+READINESS_PATH = "/readyz"
+METRICS_PATH = "/metrics"
+ANY_HOST_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, METRICS_PATH})
+READINESS_SECONDS = 3
+BACKLOG_READ_SECONDS = 2  # well within Prometheus's default scrape timeout (10 s)
+
+
+def add_operations_routes(app: FastAPI) -> None:
+    app.add_api_route(LIVENESS_PATH, _healthz, include_in_schema=False)
+    app.add_api_route(READINESS_PATH, _readyz, include_in_schema=False)
+    app.add_api_route(METRICS_PATH, _metrics, include_in_schema=False)
+
+
+async def _healthz() -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _readyz(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    try:
+        async with asyncio.timeout(READINESS_SECONDS), runtime.engine.connect() as connection:
+            await connection.execute(text("SELECT version_num FROM alembic_version"))
+    except (*DATABASE_ERRORS, OSError, TimeoutError):
+        return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def _metrics(request: Request) -> Response:
+    """Prometheus text format, for a scrape presenting `[server] metrics_token`; without one
+    configured the path does not exist."""
+    runtime: Runtime = request.app.state.runtime
+    token = runtime.settings.server.metrics_token
+    if token is None:
+        raise StarletteHTTPException(404)
+    presented = bearer_token(request.headers.get("authorization"))
+    if presented is None or not constant_time_equal(presented, token.get_secret_value()):
+        return PlainTextResponse(
+            "Metrics need the bearer token configured as [server] metrics_token.\n",
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
+        )
+    return Response(
+        runtime.metrics.render(await _revocation_backlog(runtime)),
+        media_type=METRICS_CONTENT_TYPE,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def _revocation_backlog(runtime: Runtime) -> RevocationBacklog | None:
+    """The revocation queue for a scrape, or None when the database does not answer in time."""
+    try:
+        async with asyncio.timeout(BACKLOG_READ_SECONDS), runtime.sessionmaker() as session:
+            return await revocations.backlog(session)
+    except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
+        logger.warning("metrics.backlog_unavailable error=%s", type(exc).__name__)
+        return None
