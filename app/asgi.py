@@ -2,11 +2,9 @@
 
 from fastapi import FastAPI
 
-from app.config import config_path, load_settings, require_serve_ready
+from app.config import load_serve_settings
 from app.main import create_app
 
 
 def create_served_app() -> FastAPI:
-    settings = load_settings(config_path(None))
-    require_serve_ready(settings)
-    return create_app(settings)
+    return create_app(load_serve_settings(None))

@@ -7,16 +7,10 @@ import logging
 import os
 import secrets
 import sys
-from typing import Any
 
+from app import admin_commands as admin
 from app import devmode
-from app.config import (
-    ConfigError,
-    Settings,
-    config_path,
-    load_settings,
-    require_serve_ready,
-)
+from app.config import ConfigError, Settings, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
 from app.logsetup import configure_logging
 
@@ -70,19 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     rotate = key_commands.add_parser(
         "rotate", help="re-seal stored credentials with the first (active) encryption key"
     )
-    rotate.set_defaults(handler=_keys_rotate)
+    rotate.set_defaults(handler=admin.keys_rotate)
 
     service = commands.add_parser("service", help="sibling MCP servers of the integration API")
     service_commands = service.add_subparsers(required=True, metavar="ACTION")
     create = service_commands.add_parser("create", help="register a service; prints its secret")
     create.add_argument("name")
     create.add_argument("--providers", default="", help="comma-separated; default: all")
-    create.set_defaults(handler=_service_create)
+    create.set_defaults(handler=admin.service_create)
     listing = service_commands.add_parser("list", help="list registered services")
-    listing.set_defaults(handler=_service_list)
+    listing.set_defaults(handler=admin.service_list)
     revoke = service_commands.add_parser("revoke", help="revoke a service's secret")
     revoke.add_argument("name")
-    revoke.set_defaults(handler=_service_revoke)
+    revoke.set_defaults(handler=admin.service_revoke)
 
     pending = commands.add_parser(
         "revocations", help="grants disconnected but not yet revoked at their provider"
@@ -93,14 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         help="one line each, the next due first: id, provider, issuer, subject, attempts, "
         "last error, next attempt, disconnected at",
     )
-    pending_list.set_defaults(handler=_revocations_list)
+    pending_list.set_defaults(handler=admin.revocations_list)
     return parser
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    settings = load_settings(config_path(args.config))
-    require_serve_ready(settings)
-    return settings
+    return load_serve_settings(args.config)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -159,115 +151,6 @@ def _keys_generate(_args: argparse.Namespace) -> int:
     print("[keys]")
     print(f'signing = ["{generate_key("s-" + suffix)}"]')
     print(f'encryption = ["{generate_key("e-" + suffix)}"]')
-    return 0
-
-
-def _keys_rotate(args: argparse.Namespace) -> int:
-    from app.credentials import reseal_all
-    from app.crypto import Keyring
-
-    settings = _settings(args)
-    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
-    count = _with_session(settings, lambda session: reseal_all(session, keys=keys))
-    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
-    return 0
-
-
-def _with_session(settings: Settings, work: Any) -> Any:
-    """Run `work(session)` in one committed transaction against the configured database."""
-    import asyncio
-
-    from app.db import create_engine, create_sessionmaker
-    from app.migrate import is_current
-
-    if not is_current(settings.database.url):
-        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
-
-    async def run() -> Any:
-        engine = create_engine(settings.database.url, pool_size=1)
-        try:
-            async with create_sessionmaker(engine).begin() as session:
-                return await work(session)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
-
-
-def _service_usage_error(argument: str, message: str) -> int:
-    """A bad argument is a usage error (exit 2, like argparse's own), not a configuration error."""
-    print(f"connect-broker service create: error: argument {argument}: {message}", file=sys.stderr)
-    return 2
-
-
-def _service_create(args: argparse.Namespace) -> int:
-    import re
-
-    from app.crypto import Keyring
-    from app.integration_api import services
-    from app.models import BROKER_AUDIENCE
-
-    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == BROKER_AUDIENCE:
-        return _service_usage_error(
-            "name",
-            f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "
-            "starting with a letter; 'mcp' is reserved for the broker itself)",
-        )
-    settings = _settings(args)
-    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
-    unknown = [p for p in providers if p not in settings.providers]
-    if unknown:
-        known = ", ".join(sorted(settings.providers)) or "none"
-        return _service_usage_error(
-            "--providers", f"unknown provider {unknown[0]!r:.80} (configured: {known})"
-        )
-    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
-    try:
-        secret = _with_session(
-            settings,
-            lambda session: services.create(
-                session, keys=keys, name=args.name, providers=providers
-            ),
-        )
-    except Exception as exc:  # a duplicate name violates the unique constraint
-        if "unique" in str(exc).lower() or "duplicate" in str(exc).lower():
-            print(f"a service named {args.name!r} already exists", file=sys.stderr)
-            return 1
-        raise
-    print(secret)
-    print(
-        f"# service {args.name!r} created; the secret above is shown only once",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def _service_list(args: argparse.Namespace) -> int:
-    from app.integration_api import services
-
-    for row in _with_session(_settings(args), services.list_all):
-        state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
-        print(f"{row.name}\t{row.providers or '*'}\t{state}")
-    return 0
-
-
-def _service_revoke(args: argparse.Namespace) -> int:
-    from app.integration_api import services
-
-    done = _with_session(_settings(args), lambda session: services.revoke(session, name=args.name))
-    print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
-    return 0 if done else 1
-
-
-def _revocations_list(args: argparse.Namespace) -> int:
-    from app.connect import revocations
-
-    for row in _with_session(_settings(args), revocations.listing):
-        print(
-            f"{row.id}\t{row.provider}\t{row.issuer}\t{row.subject}\t{row.attempts}\t"
-            f"{row.last_error or '-'}\t{row.next_attempt_at:%Y-%m-%dT%H:%M:%SZ}\t"
-            f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}"
-        )
     return 0
 
 

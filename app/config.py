@@ -262,6 +262,14 @@ def _describe(exc: ValidationError, prefix: str) -> str:
 Mode = Literal["serve", "dev"]
 
 
+def load_serve_settings(explicit: str | None) -> Settings:
+    """The configuration file (`explicit`, else $BROKER_CONFIG or ./broker.toml) with the
+    environment's overrides, checked for `serve` (`require_serve_ready`)."""
+    settings = load_settings(config_path(explicit))
+    require_serve_ready(settings)
+    return settings
+
+
 def require_serve_ready(settings: Settings) -> None:
     """Checks `serve` needs beyond syntax: an issuer, a login client and keys.
 
