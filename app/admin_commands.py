@@ -10,15 +10,11 @@ from typing import Any
 from app.config import ConfigError, Settings, load_serve_settings
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    return load_serve_settings(args.config)
-
-
 def keys_rotate(args: argparse.Namespace) -> int:
     from app.credentials import reseal_all
     from app.crypto import Keyring
 
-    settings = _settings(args)
+    settings = load_serve_settings(args.config)
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
     count = _with_session(settings, lambda session: reseal_all(session, keys=keys))
     print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
@@ -65,7 +61,7 @@ def service_create(args: argparse.Namespace) -> int:
             f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "
             "starting with a letter; 'mcp' is reserved for the broker itself)",
         )
-    settings = _settings(args)
+    settings = load_serve_settings(args.config)
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     unknown = [p for p in providers if p not in settings.providers]
     if unknown:
@@ -97,7 +93,7 @@ def service_create(args: argparse.Namespace) -> int:
 def service_list(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    for row in _with_session(_settings(args), services.list_all):
+    for row in _with_session(load_serve_settings(args.config), services.list_all):
         state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
         print(f"{row.name}\t{row.providers or '*'}\t{state}")
     return 0
@@ -106,7 +102,9 @@ def service_list(args: argparse.Namespace) -> int:
 def service_revoke(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    done = _with_session(_settings(args), lambda session: services.revoke(session, name=args.name))
+    done = _with_session(
+        load_serve_settings(args.config), lambda session: services.revoke(session, name=args.name)
+    )
     print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
     return 0 if done else 1
 
@@ -114,7 +112,7 @@ def service_revoke(args: argparse.Namespace) -> int:
 def revocations_list(args: argparse.Namespace) -> int:
     from app.connect import revocations
 
-    for row in _with_session(_settings(args), revocations.listing):
+    for row in _with_session(load_serve_settings(args.config), revocations.listing):
         print(
             f"{row.id}\t{row.provider}\t{row.issuer}\t{row.subject}\t{row.attempts}\t"
             f"{row.last_error or '-'}\t{row.next_attempt_at:%Y-%m-%dT%H:%M:%SZ}\t"

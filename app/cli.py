@@ -10,7 +10,7 @@ import sys
 
 from app import admin_commands as admin
 from app import devmode
-from app.config import ConfigError, Settings, config_path, load_serve_settings, load_settings
+from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
 from app.logsetup import configure_logging
 
@@ -91,17 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    return load_serve_settings(args.config)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.db import is_sqlite
     from app.migrate import is_current
 
-    settings = _settings(args)
+    settings = load_serve_settings(args.config)
     if not is_current(settings.database.url):
         raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
     configure_logging()
@@ -138,7 +134,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = load_serve_settings(args.config)
     print(
         f"configuration OK ({settings.source}): public_url {settings.public_url}, "
         f"issuer {settings.identity.issuer}, {len(settings.providers)} provider(s)"
