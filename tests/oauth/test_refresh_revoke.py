@@ -38,7 +38,6 @@ from .helpers import unique as fresh_user
 
 CALLS_PER_PROCESS = 4
 START_TIMEOUT = 30.0
-GITHUB = {"provider": "github"}
 CONFIRM = {"confirm_disconnect": {"action": "accept", "content": {"confirm": True}}}
 PROFILE = {"login": "octocat", "id": 1, "name": "The Octocat"}
 
@@ -397,21 +396,42 @@ async def test_step_up_asks_for_the_union_of_scopes_and_stores_what_was_granted(
 # ------------------------------------------------------------------------------------------------
 
 
-async def disconnect_with_the_tool(
-    mcp: McpHttp, token: str, provider: str = "github"
-) -> httpx2.Response:
-    """disconnect_account, answering its form-mode confirmation with yes."""
+async def ask_to_disconnect(mcp: McpHttp, token: str, provider: str = "github") -> str:
+    """disconnect_account's first round: its form-mode confirmation's request state."""
     asked = await mcp.call_tool(token, "disconnect_account", {"provider": provider})
     body = asked.json()
     validate_response(body, "InputRequiredResult")
     assert body["result"]["inputRequests"]["confirm_disconnect"]["params"]["mode"] == "form"
+    state: str = body["result"]["requestState"]
+    return state
+
+
+async def confirm_disconnect(
+    mcp: McpHttp, token: str, request_state: str, provider: str = "github"
+) -> httpx2.Response:
+    """disconnect_account's retry, answering the confirmation with yes."""
     return await mcp.call_tool(
         token,
         "disconnect_account",
         {"provider": provider},
         input_responses=CONFIRM,
-        request_state=body["result"]["requestState"],
+        request_state=request_state,
     )
+
+
+async def disconnect_with_the_tool(
+    mcp: McpHttp, token: str, provider: str = "github"
+) -> httpx2.Response:
+    """disconnect_account, answering its form-mode confirmation with yes."""
+    state = await ask_to_disconnect(mcp, token, provider)
+    return await confirm_disconnect(mcp, token, state, provider)
+
+
+async def github_received_revocations(fake: FakeGitHub, count: int) -> None:
+    """Wait (10 s at most) until the fake GitHub has received `count` revocation requests."""
+    async with asyncio.timeout(10):
+        while fake.revocations < count:
+            await asyncio.sleep(0.02)
 
 
 async def test_disconnect_account_revokes_the_grant_upstream_and_deletes_the_connection(
@@ -449,23 +469,13 @@ async def test_t21_revocations_stuck_at_a_slow_provider_hold_no_database_connect
     tokens = [token_for(user, audience=small.mcp_url) for user in users]
     try:
         await warm_up(client, tokens[0])
-        asked = [await client.call_tool(token, "disconnect_account", GITHUB) for token in tokens]
+        states = [await ask_to_disconnect(client, token) for token in tokens]
         fake_github.revoke_fault, fake_github.sticky_faults = "timeout", True
         confirmations = [
-            asyncio.create_task(
-                client.call_tool(
-                    token,
-                    "disconnect_account",
-                    GITHUB,
-                    input_responses=CONFIRM,
-                    request_state=question.json()["result"]["requestState"],
-                )
-            )
-            for token, question in zip(tokens, asked, strict=True)
+            asyncio.create_task(confirm_disconnect(client, token, state))
+            for token, state in zip(tokens, states, strict=True)
         ]
-        async with asyncio.timeout(10):
-            while fake_github.revocations < len(users):
-                await asyncio.sleep(0.02)
+        await github_received_revocations(fake_github, len(users))
 
         left = [await count_rows(db, "connections", subject=user) for user in users]
         ready = await client.http.get(f"{small.url}/readyz")

@@ -37,10 +37,11 @@ from ..support.fake_github import FakeGitHub
 from .flows import connect, tool_result
 from .helpers import unique as fresh_user
 from .test_refresh_revoke import (
-    CONFIRM,
-    GITHUB,
+    ask_to_disconnect,
     at_fake,
+    confirm_disconnect,
     disconnect_with_the_tool,
+    github_received_revocations,
     users_with_github,
 )
 
@@ -159,20 +160,10 @@ async def test_a_revocation_left_by_a_process_that_died_is_made_by_another(
     token = token_for(user, audience=replica.mcp_url)
     confirming: asyncio.Task[Any] | None = None
     try:
-        asked = await client.call_tool(token, "disconnect_account", GITHUB)
+        state = await ask_to_disconnect(client, token)
         fake_github.revoke_fault = "timeout"
-        confirming = asyncio.create_task(
-            client.call_tool(
-                token,
-                "disconnect_account",
-                GITHUB,
-                input_responses=CONFIRM,
-                request_state=asked.json()["result"]["requestState"],
-            )
-        )
-        async with asyncio.timeout(10):
-            while fake_github.revocations < 1:
-                await asyncio.sleep(0.02)
+        confirming = asyncio.create_task(confirm_disconnect(client, token, state))
+        await github_received_revocations(fake_github, 1)
         replica.kill()
     finally:
         if confirming is not None:
