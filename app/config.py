@@ -101,6 +101,15 @@ class KeySettings(_Section):
         return value
 
 
+class LimitSettings(_Section):
+    """`[limits]`: per-process rate limits (app/limits.py); a per-minute budget of 0 is off."""
+
+    user_requests_per_minute: int = Field(default=600, ge=0)
+    user_burst: int = Field(default=120, ge=1)
+    failed_auths_per_minute: int = Field(default=60, ge=0)
+    failed_auth_burst: int = Field(default=30, ge=1)
+
+
 class ServiceSettings(_Section):
     """`[services.<name>]`: what a registered sibling server may read beyond its own."""
 
@@ -118,6 +127,7 @@ class Settings:
     keys: KeySettings
     providers: Mapping[str, ProviderSettings]
     services: Mapping[str, ServiceSettings] = field(default_factory=dict)
+    limits: LimitSettings = field(default_factory=LimitSettings)
     source: str = "defaults"
 
     @property
@@ -208,6 +218,7 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
         "database": DatabaseSettings,
         "identity": IdentitySettings,
         "keys": KeySettings,
+        "limits": LimitSettings,
     }
     for name, model in models.items():
         values = dict(raw.get(name, {}))

@@ -40,6 +40,7 @@ from app.errors import (
 )
 from app.integration_api import credential_fetch
 from app.integration_api import routes as integration_routes
+from app.limits import RateLimits
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
@@ -100,6 +101,7 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
         # half of the pool (pool_size + as many overflow): a slow provider never takes it all
         provider_call_slots=asyncio.Semaphore(settings.database.pool_size),
+        limits=RateLimits.from_settings(settings.limits),
     )
 
 

@@ -16,6 +16,7 @@ from app.config import Settings
 from app.connect.notify import FlowNotifier
 from app.crypto import Keyring
 from app.direct import DirectStore
+from app.limits import RateLimits
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
 from app.metrics import BrokerMetrics
@@ -44,6 +45,7 @@ class Runtime:
     allowed_origins: frozenset[str]
     # Pooled connections that may be held while a provider answers (app/connect/refresh.py)
     provider_call_slots: asyncio.Semaphore
+    limits: RateLimits
     provider_issuers: dict[str, JwksCache] = field(default_factory=dict)
     server_info: dict[str, str] = field(
         default_factory=lambda: {"name": SERVER_NAME, "version": SERVER_VERSION}
@@ -62,3 +64,9 @@ class Runtime:
         details = " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
         security_log.warning("%s %s", event, details)
         self.metrics.security_event(event)
+
+    def note_failed_authentication(self, address: str) -> None:
+        """A wrong credential (token, service secret) from `address`: counted against its
+        budget, and an audit event the moment that is spent."""
+        if self.limits.failed_auth(address):
+            self.audit("auth.failed_auth_limit_reached", address=address)

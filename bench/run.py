@@ -14,7 +14,9 @@ For each database (a fresh one, and a fresh `connect-broker serve --workers 1`),
                 registered service (its bearer secret checked, the sealed key of one of
                 --credential-users users opened) -> 200 with the API key
   bare          the same requests against bench/echo_app.py, the reference for "ratio vs bare"
-Each measured run follows a warm-up run. Everything listens and is driven on 127.0.0.1 only.
+The brokers' rate limits (app/limits.py) are set high enough never to refuse (BrokerConfig's
+defaults): every request still pays for its check. Each measured run follows a warm-up run.
+Everything listens and is driven on 127.0.0.1 only.
 round1, retry and credential run --repeat times, each broker run followed at once by the bare run
 of the same requests: a row shows the medians over the repeats, its ratio is the median of the
 per-pair ratios (listed under "checks"), so a slow spell of the machine hits both sides of a pair.

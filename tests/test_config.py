@@ -63,6 +63,7 @@ def test_environment_overrides_every_section_and_providers(tmp_path: Path) -> No
         "BROKER_IDENTITY_REQUIRED_SCOPES": "mcp:tools, openid",
         "BROKER_PROVIDERS_DEMO_DISPLAY_NAME": "Demo from env",
         "BROKER_DATABASE_URL": "postgresql://user@db.internal/broker",
+        "BROKER_LIMITS_USER_REQUESTS_PER_MINUTE": "0",
     }
 
     settings = load_settings(write(tmp_path, VALID), environ=environ)
@@ -72,6 +73,7 @@ def test_environment_overrides_every_section_and_providers(tmp_path: Path) -> No
     assert settings.identity.required_scopes == ("mcp:tools", "openid")
     assert settings.providers["demo"].display_name == "Demo from env"
     assert settings.database.url == "postgresql://user@db.internal/broker"
+    assert settings.limits.user_requests_per_minute == 0
 
 
 def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
@@ -109,6 +111,11 @@ def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
         (('pattern = "^sk_[a-z0-9]+$"', 'pattern = "(unclosed"'), "providers.demo.pattern"),
         (('kind = "api_key"', 'kind = "telepathy"'), "providers.demo.kind"),
         (("[identity]", '[identity]\nissuer_typo = "x"'), "identity.issuer_typo"),
+        (("[server]", "[limits]\nuser_burst = 0\n[server]"), "limits.user_burst"),
+        (
+            ("[server]", "[limits]\nfailed_auths_per_minute = -1\n[server]"),
+            "limits.failed_auths_per_minute",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_key(

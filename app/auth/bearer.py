@@ -74,8 +74,21 @@ class TokenVerifier:
         )
         self._cache: OrderedDict[bytes, _Verified] = OrderedDict()
 
+    def cached(self, token: str) -> McpCaller | None:
+        """The caller of a token this verifier has already verified and that has not expired;
+        None for any other token (nothing is checked)."""
+        if len(token) > MAX_TOKEN_LENGTH:
+            return None
+        key = hashlib.sha256(token.encode()).digest()
+        cached = self._cache.get(key)
+        if cached is None or cached.expires_at <= self._clock() - LEEWAY_SECONDS:
+            return None
+        self._cache.move_to_end(key)
+        return cached.caller
+
     async def verify(self, token: str) -> McpCaller:
-        """Return the caller a valid access token stands for.
+        """Return the caller a valid access token stands for, its signature and claims checked
+        (callers ask `cached` first), and remember it.
 
         Raises:
             InvalidToken: anything wrong with the token.
@@ -84,11 +97,6 @@ class TokenVerifier:
         if not token or len(token) > MAX_TOKEN_LENGTH:
             raise InvalidToken("length")
         key = hashlib.sha256(token.encode()).digest()
-        cached = self._cache.get(key)
-        now = self._clock()
-        if cached is not None and cached.expires_at > now - LEEWAY_SECONDS:
-            self._cache.move_to_end(key)
-            return cached.caller
         verified = await self._verify(token)
         self._cache[key] = verified
         if len(self._cache) > CACHE_SIZE:

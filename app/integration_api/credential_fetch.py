@@ -28,8 +28,9 @@ from app.errors import (
 )
 from app.integration_api import services
 from app.integration_api.problems import InvalidServiceCredentials, problem_response
-from app.integration_api.routes import credential_for
+from app.integration_api.routes import credential_for, refuse_spent_address
 from app.json_message import JsonMessage
+from app.limits import client_key
 from app.middleware import first_header
 from app.runtime import Runtime
 
@@ -92,18 +93,19 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
     provider = scope["path"].removeprefix(PREFIX)
     try:
         scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
-        found = (
-            await services.authenticate_with_own_connection(
-                runtime.direct,
-                keys=runtime.signing_keys,
-                secret=secret,
-                principal=Principal(issuer, subject),
-                provider=provider,
-            )
-            if scheme.lower() == "bearer" and secret
-            else None
+        if scheme.lower() != "bearer" or not secret:
+            raise InvalidServiceCredentials()
+        address = client_key(scope.get("client"))
+        refuse_spent_address(runtime, address)
+        found = await services.authenticate_with_own_connection(
+            runtime.direct,
+            keys=runtime.signing_keys,
+            secret=secret,
+            principal=Principal(issuer, subject),
+            provider=provider,
         )
         if found is None:
+            runtime.note_failed_authentication(address)
             raise InvalidServiceCredentials()
         service, own = found
         view = await credential_for(

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from app.errors import BrokerError, problem_instance, render_error
+from app.limits import retry_after
 
 
 class InvalidServiceCredentials(BrokerError):
@@ -20,6 +21,20 @@ class InvalidServiceCredentials(BrokerError):
     code = "invalid_service_credentials"
     title = "Unknown or revoked service secret"
     message = "Send Authorization: Bearer <service secret> of a registered, unrevoked service."
+
+
+class TooManyFailedAuthentications(BrokerError):
+    status_code = 429
+    code = "too_many_failed_authentications"
+    title = "Too many failed authentications"
+    message = (
+        "Too many unknown or revoked service secrets came from this address. Retry after the"
+        " seconds `Retry-After` gives, with the secret `connect-broker service create` printed."
+    )
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.retry_after = retry_after(seconds)
 
 
 class ProviderNotAllowed(BrokerError):
@@ -101,10 +116,13 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
 
 
 def problem_response(request: Request, exc: BrokerError) -> Response:
-    """A failure as problem JSON; a 401 also names the scheme (`WWW-Authenticate`)."""
+    """A failure as problem JSON; a 401 also names the scheme (`WWW-Authenticate`), a 429 says
+    when to try again (`Retry-After`)."""
     response = render_error(request, exc)
     if isinstance(exc, InvalidServiceCredentials):
         response.headers["WWW-Authenticate"] = 'Bearer realm="connect-broker"'
+    elif isinstance(exc, TooManyFailedAuthentications):
+        response.headers["Retry-After"] = exc.retry_after
     return response
 
 
@@ -112,7 +130,8 @@ class ProblemRoute(APIRoute):
     """Renders this router's own failures that the app-wide handlers render differently.
 
     A request that fails validation becomes problem JSON (the app's default handler answers plain
-    JSON, and only /api/v1 promises problem JSON everywhere); a 401 carries `WWW-Authenticate`.
+    JSON, and only /api/v1 promises problem JSON everywhere); a 401 carries `WWW-Authenticate`,
+    a 429 `Retry-After`.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -123,7 +142,7 @@ class ProblemRoute(APIRoute):
                 return await handle(request)
             except RequestValidationError as exc:
                 return _invalid_request(request, exc)
-            except InvalidServiceCredentials as exc:
+            except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
                 return problem_response(request, exc)
 
         return handle_with_problems

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import credentials
@@ -41,18 +41,20 @@ from app.integration_api.problems import (
     NotConnected,
     ProblemRoute,
     ProviderNotAllowed,
+    TooManyFailedAuthentications,
     UnknownIssuer,
     UnknownProvider,
     problem_responses,
 )
 from app.integration_api.services import Service
+from app.limits import client_key
 from app.runtime import Runtime
 
 router = APIRouter(
     prefix="/api/v1",
     tags=["integration"],
     route_class=ProblemRoute,
-    responses=problem_responses(401, 422),
+    responses=problem_responses(401, 422, 429),
 )
 service_secret = HTTPBearer(
     auto_error=False,
@@ -66,18 +68,30 @@ UserSubject = Annotated[
 
 
 async def calling_service(
+    request: Request,
     runtime: RuntimeDep,
     presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
 ) -> Service:
     """The authenticated sibling (looked up through the direct store, holding no session)."""
-    service = None
-    if presented is not None:
-        service = await services.authenticate(
-            runtime.direct, keys=runtime.signing_keys, secret=presented.credentials
-        )
+    if presented is None:
+        raise InvalidServiceCredentials()
+    address = client_key(request.scope.get("client"))
+    refuse_spent_address(runtime, address)
+    service = await services.authenticate(
+        runtime.direct, keys=runtime.signing_keys, secret=presented.credentials
+    )
     if service is None:
+        runtime.note_failed_authentication(address)
         raise InvalidServiceCredentials()
     return service
+
+
+def refuse_spent_address(runtime: Runtime, address: str) -> None:
+    """429 for an address that has spent its budget of failed authentications: its secret is
+    not looked up (app/limits.py)."""
+    wait = runtime.limits.failed_auths.wait(address)
+    if wait:
+        raise TooManyFailedAuthentications(wait)
 
 
 CallingService = Annotated[Service, Depends(calling_service)]

@@ -1,7 +1,8 @@
 """POST /mcp: the Streamable HTTP transport (JSON responses only; GET/DELETE answer 405).
 
-Order: Origin allow-list (403) → bearer token (401/403) → Content-Type (415) → body size (413) →
-JSON-RPC envelope (400) → headers and _meta (400) → method (404) → dispatch. Called with the
+Order: Origin allow-list (403) → bearer token (401/403; 429 from an address past its failed
+authentications) → Content-Type (415) → body size (413) → JSON-RPC envelope (400) → headers and
+_meta (400) → method (404) → the user's request budget (429) → dispatch. Called with the
 ASGI scope and receive channel (app/main.py dispatches /mcp before FastAPI's routing): this is the
 hot path and needs no routing, request object or dependency injection.
 """
@@ -22,6 +23,7 @@ from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challeng
 from app.auth.principal import McpCaller
 from app.bug_report import redacted_traceback
 from app.json_message import JsonMessage
+from app.limits import client_key
 from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
 from app.mcp.methods import METHODS
 from app.mcp.protocol import (
@@ -30,6 +32,7 @@ from app.mcp.protocol import (
     META_SERVER_INFO,
     METHOD_NOT_FOUND,
     JsonRpcError,
+    rate_limited,
 )
 from app.runtime import Runtime
 
@@ -65,7 +68,7 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
     message: Message | None = None
     try:
         _check_origin(headers, runtime)
-        caller = await _authenticate(headers, runtime)
+        caller = await _authenticate(headers, runtime, scope)
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise _HttpRefusal(
@@ -83,6 +86,9 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             )
         if message.id is None:
             return Response(status_code=202)
+        wait = runtime.limits.users.take(caller.principal)
+        if wait:
+            raise rate_limited("Too many requests for this user", wait)
         result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
         runtime.metrics.mcp_error(exc.code)
@@ -124,7 +130,7 @@ def _check_origin(headers: HeaderMap, runtime: Runtime) -> None:
         raise _HttpRefusal(403, _plain_error(INVALID_REQUEST, "Origin not allowed"))
 
 
-async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
+async def _authenticate(headers: HeaderMap, runtime: Runtime, scope: Scope) -> McpCaller:
     token = bearer_token(headers.get("authorization"))
     if token is None:
         raise _HttpRefusal(
@@ -132,21 +138,9 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
             {"error": "unauthorized", "error_description": "A bearer token is required"},
             {"WWW-Authenticate": _challenge(runtime)},
         )
-    try:
-        caller = await runtime.verifier.verify(token)
-    except InvalidToken as exc:
-        logger.info("auth.invalid_token reason=%s", exc.reason)
-        raise _HttpRefusal(
-            401,
-            {"error": "invalid_token", "error_description": "The access token is invalid"},
-            {"WWW-Authenticate": _challenge(runtime, error="invalid_token")},
-        ) from None
-    except IdpUnavailable:
-        raise _HttpRefusal(
-            503,
-            {"error": "temporarily_unavailable", "error_description": "Cannot reach the IdP"},
-            {"Retry-After": "5"},
-        ) from None
+    caller = runtime.verifier.cached(token)
+    if caller is None:
+        caller = await _verify_new_token(token, runtime, client_key(scope.get("client")))
     required = runtime.settings.identity.required_scopes
     if required and not caller.scopes.issuperset(required):
         raise _HttpRefusal(
@@ -161,6 +155,30 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime) -> McpCaller:
             },
         )
     return caller
+
+
+async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCaller:
+    """Check a token not verified before, unless its sender's address has spent its budget of
+    failed authentications (then no signature is checked: 429)."""
+    wait = runtime.limits.failed_auths.wait(address)
+    if wait:
+        raise rate_limited("Too many failed authentications from this address", wait)
+    try:
+        return await runtime.verifier.verify(token)
+    except InvalidToken as exc:
+        logger.info("auth.invalid_token reason=%s", exc.reason)
+        runtime.note_failed_authentication(address)
+        raise _HttpRefusal(
+            401,
+            {"error": "invalid_token", "error_description": "The access token is invalid"},
+            {"WWW-Authenticate": _challenge(runtime, error="invalid_token")},
+        ) from None
+    except IdpUnavailable:
+        raise _HttpRefusal(
+            503,
+            {"error": "temporarily_unavailable", "error_description": "Cannot reach the IdP"},
+            {"Retry-After": "5"},
+        ) from None
 
 
 def _challenge(runtime: Runtime, **details: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.limits import retry_after
+
 PROTOCOL_VERSION = "2026-07-28"
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 
@@ -20,6 +22,7 @@ INTERNAL_ERROR = -32603
 HEADER_MISMATCH = -32020  # MCP-* headers missing or disagreeing with the body (SEP-2243)
 MISSING_CAPABILITY = -32021  # data.requiredCapabilities (basic/index.mdx)
 UNSUPPORTED_VERSION = -32022  # data.supported + data.requested (basic/versioning.mdx)
+RATE_LIMITED = -31029  # ours (outside JSON-RPC's reserved range): over HTTP 429 + Retry-After
 
 
 class JsonRpcError(Exception):
@@ -67,4 +70,16 @@ def missing_capability(required: dict[str, Any]) -> JsonRpcError:
         "This request needs a client capability that was not declared",
         http_status=400,
         data={"requiredCapabilities": required},
+    )
+
+
+def rate_limited(message: str, seconds: float) -> JsonRpcError:
+    """A refusal for a spent budget (app/limits.py): HTTP 429 and when to try again."""
+    wait = retry_after(seconds)
+    return JsonRpcError(
+        RATE_LIMITED,
+        f"{message}; retry after {wait} s",
+        http_status=429,
+        data={"retryAfterSeconds": int(wait)},
+        headers={"Retry-After": wait},
     )
