@@ -79,6 +79,7 @@ class BrokerMetrics(Collector):
         self.mcp_results: defaultdict[Labels, int] = defaultdict(int)
         self.mcp_errors: defaultdict[Labels, int] = defaultdict(int)
         self.security_events: defaultdict[Labels, int] = defaultdict(int)
+        self.rate_limited: defaultdict[Labels, int] = defaultdict(int)
         self._backlog: RevocationBacklog | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
@@ -100,6 +101,10 @@ class BrokerMetrics(Collector):
 
     def security_event(self, event: str) -> None:
         self.security_events[(event,)] += 1
+
+    def refused(self, limit: str) -> None:
+        """A request refused for a spent budget: `limit` is "user" or "failed_auths"."""
+        self.rate_limited[(limit,)] += 1
 
     def render(self, backlog: RevocationBacklog | None) -> bytes:
         """The registry's text; `backlog` None (the database did not answer) leaves its gauges
@@ -142,6 +147,12 @@ class BrokerMetrics(Collector):
             "Security events (the security log's event names), by event",
             ("event",),
             self.security_events,
+        )
+        yield _counter(
+            "broker_rate_limited",
+            "Requests refused (429) for a spent rate-limit budget, by limit (user, failed_auths)",
+            ("limit",),
+            self.rate_limited,
         )
         if self._backlog is not None:
             yield GaugeMetricFamily(

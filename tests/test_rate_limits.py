@@ -21,6 +21,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import LimitSettings
 from app.db import create_engine
@@ -34,6 +35,7 @@ from .support.idp import IdpProcess, mint_token
 from .support.schema import validate_response
 
 BURST = 3
+SCRAPE_TOKEN = secrets.token_hex(32)
 SMALL_LIMITS = {
     "user_requests_per_minute": 60,
     "user_burst": BURST,
@@ -46,6 +48,21 @@ DEMO_PROVIDER = {
     "label": "API key",
     "pattern": r"^sk_[A-Za-z0-9_]{8,200}$",
 }
+
+
+async def refusals(broker: BrokerProcess) -> dict[str, float]:
+    """`broker_rate_limited_total` by limit, scraped from /metrics."""
+    async with httpx2.AsyncClient(trust_env=False) as http:
+        response = await http.get(
+            f"{broker.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}
+        )
+    assert response.status_code == 200, response.text
+    return {
+        sample.labels["limit"]: sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "broker_rate_limited_total"
+    }
 
 
 class Clock:
@@ -144,7 +161,9 @@ def test_the_default_budgets() -> None:
 def limited_broker(idp: IdpProcess, workdir: Path) -> Iterator[BrokerProcess]:
     """A broker of this test's own (its buckets start full) with SMALL_LIMITS."""
     config = BrokerConfig(
-        issuer=idp.issuer, providers={"demo": DEMO_PROVIDER}, extra={"limits": SMALL_LIMITS}
+        issuer=idp.issuer,
+        providers={"demo": DEMO_PROVIDER},
+        extra={"limits": SMALL_LIMITS, "server": {"metrics_token": SCRAPE_TOKEN}},
     )
     with running_broker(config, workdir, name="limited") as process:
         yield process
@@ -193,6 +212,7 @@ async def test_a_user_past_the_budget_gets_429_and_other_users_are_served(
     refused = await limited_mcp.post(body, token=alice)
     assert assert_rate_limited(refused, "Too many requests for this user")["id"] == body["id"]
     assert (await list_tools(limited_mcp, bob)).status_code == 200
+    assert await refusals(limited_broker) == {"user": 1}
     await asyncio.sleep(int(refused.headers["retry-after"]) + 0.2)
     assert (await list_tools(limited_mcp, alice)).status_code == 200
 
@@ -257,6 +277,7 @@ async def test_an_address_past_its_failed_authentications_is_refused_before_any_
     await asyncio.sleep(int(blocked.headers["retry-after"]) + 0.2)
     assert (await list_tools(limited_mcp, fresh)).status_code == 200
     assert window.text().count("auth.failed_auth_limit_reached") == 1
+    assert await refusals(limited_broker) == {"failed_auths": 2}
 
 
 async def test_behind_a_trusted_proxy_each_forwarded_client_has_its_own_budget(
@@ -321,5 +342,6 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
                 assert problem["status"] == 429
                 assert refused.headers["retry-after"].isdigit()
                 assert secret not in refused.text and wrong not in refused.text
+        assert await refusals(limited_broker) == {"failed_auths": 4}
         await asyncio.sleep(int(refused.headers["retry-after"]) + 0.2)
         assert (await get(fast_path, secret)).status_code == 404  # served: hana has no key

@@ -91,6 +91,7 @@ def refuse_spent_address(runtime: Runtime, address: str) -> None:
     not looked up (app/limits.py)."""
     wait = runtime.limits.failed_auths.wait(address)
     if wait:
+        runtime.metrics.refused("failed_auths")
         raise TooManyFailedAuthentications(wait)
 
 

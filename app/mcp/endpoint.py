@@ -88,6 +88,7 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             return Response(status_code=202)
         wait = runtime.limits.users.take(caller.principal)
         if wait:
+            runtime.metrics.refused("user")
             raise rate_limited("Too many requests for this user", wait)
         result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
@@ -162,6 +163,7 @@ async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCa
     failed authentications (then no signature is checked: 429)."""
     wait = runtime.limits.failed_auths.wait(address)
     if wait:
+        runtime.metrics.refused("failed_auths")
         raise rate_limited("Too many failed authentications from this address", wait)
     try:
         return await runtime.verifier.verify(token)
