@@ -28,7 +28,7 @@ from app.db import create_engine
 from app.limits import TokenBuckets, client_key, retry_after
 from app.mcp.protocol import RATE_LIMITED
 
-from .conftest import count_rows
+from .conftest import DEMO_PROVIDER, count_rows
 from .support.broker import BrokerConfig, BrokerProcess, LogWindow, cli, running_broker
 from .support.clients import McpHttp, request_body
 from .support.idp import IdpProcess, mint_token
@@ -41,12 +41,6 @@ SMALL_LIMITS = {
     "user_burst": BURST,
     "failed_auths_per_minute": 60,
     "failed_auth_burst": BURST,
-}
-DEMO_PROVIDER = {
-    "kind": "api_key",
-    "display_name": "Demo",
-    "label": "API key",
-    "pattern": r"^sk_[A-Za-z0-9_]{8,200}$",
 }
 
 
