@@ -199,8 +199,14 @@ class ConnectBroker:
         except httpx2.HTTPError as exc:
             logger.warning("connect_broker.unreachable reason=%s", type(exc).__name__)
             raise BrokerUnavailable() from None
-        if response.status_code >= 500:
-            logger.warning("connect_broker.failed status=%s", response.status_code)
+        if response.status_code >= 500 or response.status_code == 429:
+            # 429: this server's address spent its budget of failed authentications at the
+            # broker (another process there presenting a wrong secret?): retryable, like a 5xx
+            logger.warning(
+                "connect_broker.failed status=%s retry_after=%s",
+                response.status_code,
+                response.headers.get("retry-after", "-"),
+            )
             raise BrokerUnavailable()
         if response.status_code >= 400:
             code = _problem_code(response)

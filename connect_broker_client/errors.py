@@ -26,7 +26,8 @@ class ConnectionNotMade(ToolError):
 
 
 class BrokerUnavailable(ToolError):
-    """The broker could not be reached or failed (5xx); the call may be retried later."""
+    """The broker could not be reached, failed (5xx) or refused this server's address for a
+    while (429); the call may be retried later."""
 
     def __init__(self) -> None:
         super().__init__("Connect Broker is unavailable; try again shortly.")

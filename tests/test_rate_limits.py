@@ -29,6 +29,7 @@ from app.limits import TokenBuckets, client_key, retry_after
 from app.mcp.protocol import RATE_LIMITED
 
 from .conftest import DEMO_PROVIDER, count_rows
+from .integration_api.test_helper import Sibling, result_of
 from .support.broker import BrokerConfig, BrokerProcess, LogWindow, cli, running_broker
 from .support.clients import McpHttp, request_body
 from .support.idp import IdpProcess, mint_token
@@ -339,3 +340,27 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
         assert await refusals(limited_broker) == {"failed_auths": 4}
         await asyncio.sleep(int(refused.headers["retry-after"]) + 0.2)
         assert (await get(fast_path, secret)).status_code == 404  # served: hana has no key
+
+
+async def test_a_sibling_refused_for_its_address_answers_a_retryable_error_result(
+    limited_broker: BrokerProcess, idp: IdpProcess
+) -> None:
+    """The Python helper turns the integration API's 429 into "unavailable, try again", not a
+    crash: the sibling's own secret is right, another process at its address spent the budget."""
+    created = cli("service", "create", "helper-sibling", config_path=limited_broker.config_path)
+    assert created.returncode == 0, created.stderr
+    wrong = {"Authorization": "Bearer cbs_" + secrets.token_urlsafe(32)}
+    async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
+        for _ in range(BURST):
+            failed = await http.get("/api/v1/connections", params={}, headers=wrong)
+            assert failed.status_code == 401
+    with Sibling(idp, limited_broker.url, created.stdout.strip()) as sibling:
+        response = await sibling.call(sibling.token("jan"), "demo_fingerprint")
+    answer = result_of(response)
+    assert answer["isError"] is True
+    assert answer["content"][0]["text"].endswith(
+        "Connect Broker is unavailable; try again shortly."
+    )
+    assert [a.get("type") for a in sibling.calls.answers] == [
+        "urn:connect-broker:error:too_many_failed_authentications"
+    ]
