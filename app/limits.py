@@ -13,6 +13,7 @@ A budget of 0 turns that limit off. The buckets live in each process: with N pro
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import time
@@ -97,19 +98,23 @@ class TokenBuckets:
 
 def client_key(scope_client: tuple[str, int] | list[object] | None) -> str:
     """The address a per-client budget counts against: the peer's IP (the forwarded one when
-    uvicorn trusts the proxy), an IPv6 address as its /64."""
+    uvicorn trusts the proxy), an IPv6 address as its /64. An IPv4 address is taken as the
+    server wrote it (dotted quad): parsing it on every request would cost more than the limit."""
     if not scope_client:
         return "unknown"
     host = str(scope_client[0])
+    return _ipv6_key(host) if ":" in host else host
+
+
+@functools.lru_cache(maxsize=1024)
+def _ipv6_key(host: str) -> str:
     try:
-        address = ipaddress.ip_address(host)
+        address = ipaddress.IPv6Address(host)
     except ValueError:
         return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, IPV6_PREFIX), strict=False))
-    return str(address)
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.IPv6Network((address, IPV6_PREFIX), strict=False))
 
 
 def retry_after(seconds: float) -> str:

@@ -145,12 +145,10 @@ async def usable_for(
             runtime, principal=principal, provider=provider, audience=audience, known=known
         )
         if found is not None:
-            kind = (
-                "oauth2"
-                if isinstance(runtime.settings.providers[provider], OAuthProviderSettings)
-                else "api_key"
-            )
-            return CredentialView(
+            oauth = isinstance(runtime.settings.providers[provider], OAuthProviderSettings)
+            kind: Literal["api_key", "oauth2"] = "oauth2" if oauth else "api_key"
+            # built from stored, already validated values: no validation pass (a hot path)
+            return CredentialView.model_construct(
                 provider=provider,
                 kind=kind,
                 secret=found.secret,
