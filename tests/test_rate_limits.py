@@ -3,9 +3,9 @@ requests per user, and a budget of failed authentications per client address, af
 address's new tokens and service secrets are refused unchecked (app/limits.py).
 
 The token buckets are tested alone with a hand-driven clock; the limits themselves on a broker of
-their own (small budgets: 3 at once, then one a second), on the wire, through the official MCP
-client, and for the integration API on both of its paths (the credential fetch's fast path and a
-FastAPI route).
+their own (small budgets: 3 at once, then one every 3 s, so a stalled machine does not refill a
+bucket mid-test), on the wire, through the official MCP client, and for the integration API on
+both of its paths (the credential fetch's fast path and a FastAPI route).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from .support.schema import validate_response
 BURST = 3
 SCRAPE_TOKEN = secrets.token_hex(32)
 SMALL_LIMITS = {
-    "user_requests_per_minute": 60,
+    "user_requests_per_minute": 20,
     "user_burst": BURST,
-    "failed_auths_per_minute": 60,
+    "failed_auths_per_minute": 20,
     "failed_auth_burst": BURST,
 }
 
