@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import pytest
+from joserfc import jwt
+from joserfc.jwk import KeySet, RSAKey
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.auth.bearer import InvalidToken, TokenVerifier
+from app.auth.jwks import JwksCache
 from app.config import LimitSettings
 from app.db import create_engine
 from app.limits import TokenBuckets, client_key, retry_after
@@ -293,6 +298,65 @@ async def test_behind_a_trusted_proxy_each_forwarded_client_has_its_own_budget(
     assert (await from_client("203.0.113.10", forged)).status_code == 401  # still checked
     fresh = token(idp, limited_broker, "ivan-" + secrets.token_hex(3))
     assert (await list_tools(limited_mcp, fresh)).status_code == 200  # the proxy's own budget
+
+
+async def test_an_expired_token_of_ours_is_not_a_failed_authentication(
+    limited_mcp: McpHttp, limited_broker: BrokerProcess, idp: IdpProcess
+) -> None:
+    """Clients refresh when told their token expired (many users behind one NAT do it all day);
+    an expired token that is wrong in any other way still counts."""
+    expired = token(idp, limited_broker, "kim-" + secrets.token_hex(3), lifetime=-120)
+    for _ in range(BURST * 2):
+        refused = await list_tools(limited_mcp, expired)
+        assert refused.status_code == 401
+        assert refused.json()["error"] == "invalid_token"
+    fresh = token(idp, limited_broker, "lee-" + secrets.token_hex(3))
+    assert (await list_tools(limited_mcp, fresh)).status_code == 200
+    elsewhere = "https://elsewhere.example/mcp"
+    for _ in range(BURST):
+        forged = token(idp, limited_broker, "mallory", audience=elsewhere, lifetime=-120)
+        assert (await list_tools(limited_mcp, forged)).status_code == 401
+    assert (await list_tools(limited_mcp, expired)).status_code == 429
+
+
+class CountingKeys:
+    """A JWKS cache stand-in that counts the signature checks it serves keys for."""
+
+    def __init__(self, key: RSAKey) -> None:
+        self.key_set = KeySet([key])
+        self.requests = 0
+
+    async def keys_for(self, kid: str | None) -> KeySet:
+        self.requests += 1
+        return self.key_set
+
+
+async def test_a_replayed_expired_token_is_refused_without_a_signature_check() -> None:
+    key = RSAKey.generate_key(2048, parameters={"kid": "k1"})
+    keys = CountingKeys(key)
+    verifier = TokenVerifier(
+        issuer="https://idp.test",
+        audience="https://broker.test/mcp",
+        identity_claim="sub",
+        algorithms=("RS256",),
+        jwks=cast(JwksCache, keys),
+    )
+    now = int(time.time())
+    claims = {"iss": "https://idp.test", "aud": "https://broker.test/mcp", "sub": "ann"}
+    expired = jwt.encode({"alg": "RS256", "kid": "k1"}, {**claims, "exp": now - 600}, key)
+    wrong_audience = jwt.encode(
+        {"alg": "RS256", "kid": "k1"}, {**claims, "aud": "https://x.test", "exp": now - 600}, key
+    )
+    for _ in range(3):
+        with pytest.raises(InvalidToken) as refused:
+            await verifier.verify(expired)
+        assert refused.value.expired
+    assert keys.requests == 1
+    with pytest.raises(InvalidToken) as refused:
+        await verifier.verify(wrong_audience)
+    assert not refused.value.expired
+    valid = jwt.encode({"alg": "RS256", "kid": "k1"}, {**claims, "exp": now + 600}, key)
+    assert (await verifier.verify(valid)).principal.subject == "ann"
 
 
 async def test_a_request_without_a_token_is_not_a_failed_authentication(

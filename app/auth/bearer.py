@@ -14,9 +14,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from joserfc import jws, jwt
-from joserfc.errors import JoseError
+from joserfc.errors import ExpiredTokenError, JoseError
 from joserfc.jwt import JWTClaimsRegistry
 
 from app.auth.jwks import JwksCache, JwksUnavailable
@@ -30,11 +31,21 @@ LEEWAY_SECONDS = 60
 
 
 class InvalidToken(Exception):
-    """The bearer token is missing, malformed, expired or not for us. `reason` is for logs."""
+    """The bearer token is missing, malformed, expired or not for us. `reason` is for logs.
+    `expired`: signed by the issuer for us, and only past its expiry (a client due to refresh,
+    not a forgery)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, expired: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.expired = expired
+
+
+class _ClaimsApartFromExpiry(JWTClaimsRegistry):
+    """The same claim checks without the expiry: what else is wrong with an expired token."""
+
+    def validate_exp(self, value: object) -> None:
+        return None
 
 
 class IdpUnavailable(Exception):
@@ -64,15 +75,24 @@ class TokenVerifier:
         self._algorithms = list(algorithms)
         self._jwks = jwks
         self._clock = clock
-        self._claims = JWTClaimsRegistry(
-            now=lambda: int(self._clock()),
-            leeway=LEEWAY_SECONDS,
-            iss={"essential": True, "value": issuer},
-            aud={"essential": True, "value": audience},
-            exp={"essential": True},
-            **{identity_claim: {"essential": True}},  # type: ignore[arg-type]
+        claims: dict[str, Any] = {
+            "iss": {"essential": True, "value": issuer},
+            "aud": {"essential": True, "value": audience},
+            "exp": {"essential": True},
+            identity_claim: {"essential": True},
+        }
+
+        def now() -> int:
+            return int(self._clock())
+
+        self._claims = JWTClaimsRegistry(now=now, leeway=LEEWAY_SECONDS, **claims)
+        self._claims_apart_from_expiry = _ClaimsApartFromExpiry(
+            now=now, leeway=LEEWAY_SECONDS, **claims
         )
         self._cache: OrderedDict[bytes, _Verified] = OrderedDict()
+        # digests of genuine tokens found expired: replayed, they are refused without a signature
+        # check (and, like any expired token, not counted as a failed authentication)
+        self._expired: OrderedDict[bytes, None] = OrderedDict()
 
     def cached(self, token: str) -> McpCaller | None:
         """The caller of a token this verifier has already verified and that has not expired;
@@ -97,7 +117,16 @@ class TokenVerifier:
         if not token or len(token) > MAX_TOKEN_LENGTH:
             raise InvalidToken("length")
         key = hashlib.sha256(token.encode()).digest()
-        verified = await self._verify(token)
+        if key in self._expired:
+            raise InvalidToken("expired", expired=True)
+        try:
+            verified = await self._verify(token)
+        except InvalidToken as exc:
+            if exc.expired:
+                self._expired[key] = None
+                if len(self._expired) > CACHE_SIZE:
+                    self._expired.popitem(last=False)
+            raise
         self._cache[key] = verified
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -117,10 +146,10 @@ class TokenVerifier:
             raise IdpUnavailable() from None
         try:
             decoded = jwt.decode(token, keys, algorithms=self._algorithms)
-            self._claims.validate(decoded.claims)
         except (JoseError, ValueError, TypeError) as exc:
             raise InvalidToken(type(exc).__name__) from None
         claims = decoded.claims
+        self._validate(claims)
         subject = claims.get(self._identity_claim)
         if not isinstance(subject, str) or not subject:
             raise InvalidToken("identity_claim")
@@ -133,6 +162,20 @@ class TokenVerifier:
             ),
             expires_at=float(claims["exp"]),
         )
+
+    def _validate(self, claims: dict[str, Any]) -> None:
+        """The claims of a token whose signature holds; an expired one is told apart when
+        nothing else is wrong with it."""
+        try:
+            self._claims.validate(claims)
+        except ExpiredTokenError:
+            try:
+                self._claims_apart_from_expiry.validate(claims)
+            except (JoseError, ValueError, TypeError) as exc:
+                raise InvalidToken(type(exc).__name__) from None
+            raise InvalidToken("expired", expired=True) from None
+        except (JoseError, ValueError, TypeError) as exc:
+            raise InvalidToken(type(exc).__name__) from None
 
 
 def _scopes(claims: dict[str, object]) -> frozenset[str]:

@@ -169,7 +169,8 @@ async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCa
         return await runtime.verifier.verify(token)
     except InvalidToken as exc:
         logger.info("auth.invalid_token reason=%s", exc.reason)
-        runtime.note_failed_authentication(address)
+        if not exc.expired:  # a client due to refresh has not failed to authenticate
+            runtime.note_failed_authentication(address)
         raise _HttpRefusal(
             401,
             {"error": "invalid_token", "error_description": "The access token is invalid"},
