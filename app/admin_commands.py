@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from app.config import ConfigError, Settings, load_serve_settings
+from app.config import Settings, load_serve_settings
 
 
 def keys_rotate(args: argparse.Namespace) -> int:
@@ -26,10 +26,9 @@ def _with_session(settings: Settings, work: Any) -> Any:
     import asyncio
 
     from app.db import create_engine, create_sessionmaker
-    from app.migrate import is_current
+    from app.migrate import require_current
 
-    if not is_current(settings.database.url):
-        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
+    require_current(settings.database.url)
 
     async def run() -> Any:
         engine = create_engine(settings.database.url, pool_size=1)

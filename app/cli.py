@@ -95,11 +95,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.db import is_sqlite
-    from app.migrate import is_current
+    from app.migrate import require_current
 
     settings = load_serve_settings(args.config)
-    if not is_current(settings.database.url):
-        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
+    require_current(settings.database.url)
     configure_logging()
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(

@@ -20,6 +20,18 @@ def upgrade(url: str) -> None:
     command.upgrade(alembic_config(url), "head")
 
 
+def require_current(url: str) -> None:
+    """Refuse to work on a database that `connect-broker migrate` has not brought up to date.
+
+    Raises:
+        ConfigError: naming `database.url` and the command to run.
+    """
+    from app.config_sources import ConfigError
+
+    if not is_current(url):
+        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
+
+
 def is_current(url: str) -> bool:
     """True when the database at `url` is at the newest revision."""
     import asyncio
