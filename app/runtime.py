@@ -65,6 +65,14 @@ class Runtime:
         security_log.warning("%s %s", event, details)
         self.metrics.security_event(event)
 
+    def failed_auth_wait(self, address: str) -> float:
+        """Seconds until `address` may present a new credential (0.0: now); a request refused
+        for it is counted in the metrics."""
+        wait = self.limits.failed_auths.wait(address)
+        if wait:
+            self.metrics.refused("failed_auths")
+        return wait
+
     def note_failed_authentication(self, address: str) -> None:
         """A wrong credential (token, service secret) from `address`: counted against its
         budget, and an audit event the moment that is spent."""

@@ -89,9 +89,8 @@ async def calling_service(
 def refuse_spent_address(runtime: Runtime, address: str) -> None:
     """429 for an address that has spent its budget of failed authentications: its secret is
     not looked up (app/limits.py)."""
-    wait = runtime.limits.failed_auths.wait(address)
+    wait = runtime.failed_auth_wait(address)
     if wait:
-        runtime.metrics.refused("failed_auths")
         raise TooManyFailedAuthentications(wait)
 
 

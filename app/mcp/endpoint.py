@@ -161,9 +161,8 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime, scope: Scope) -> M
 async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCaller:
     """Check a token not verified before, unless its sender's address has spent its budget of
     failed authentications (then no signature is checked: 429)."""
-    wait = runtime.limits.failed_auths.wait(address)
+    wait = runtime.failed_auth_wait(address)
     if wait:
-        runtime.metrics.refused("failed_auths")
         raise rate_limited("Too many failed authentications from this address", wait)
     try:
         return await runtime.verifier.verify(token)
