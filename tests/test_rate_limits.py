@@ -24,7 +24,6 @@ from joserfc.jwk import KeySet, RSAKey
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.auth.bearer import InvalidToken, TokenVerifier
 from app.auth.jwks import JwksCache
@@ -39,9 +38,9 @@ from .support.broker import BrokerConfig, BrokerProcess, LogWindow, cli, running
 from .support.clients import McpHttp, request_body
 from .support.idp import IdpProcess, mint_token
 from .support.schema import validate_response
+from .test_metrics import SCRAPE_TOKEN, scrape
 
 BURST = 3
-SCRAPE_TOKEN = secrets.token_hex(32)
 SMALL_LIMITS = {
     "user_requests_per_minute": 20,
     "user_burst": BURST,
@@ -53,15 +52,11 @@ SMALL_LIMITS = {
 async def refusals(broker: BrokerProcess) -> dict[str, float]:
     """`broker_rate_limited_total` by limit, scraped from /metrics."""
     async with httpx2.AsyncClient(trust_env=False) as http:
-        response = await http.get(
-            f"{broker.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}
-        )
-    assert response.status_code == 200, response.text
+        _, samples = await scrape(http, broker)
     return {
-        sample.labels["limit"]: sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name == "broker_rate_limited_total"
+        dict(labels)["limit"]: count
+        for (name, labels), count in samples.items()
+        if name == "broker_rate_limited_total"
     }
 
 
