@@ -8,9 +8,11 @@ so it cannot be replayed by another service, for another user or another request
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
@@ -18,6 +20,7 @@ from app.connect import service as flows
 from app.connect.refresh import KnownRows, usable_credential
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.connect.wait import wait_for_flow
+from app.credentials import Credential
 from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.mcp.protocol import JsonRpcError
@@ -83,6 +86,43 @@ class CredentialView(BaseModel):
     expires_at: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class UsableCredential:
+    """A credential a service may read, and its kind: what the credential answers carry."""
+
+    kind: Literal["api_key", "oauth2"]
+    credential: Credential
+
+    def view(self) -> CredentialView:
+        found = self.credential
+        # built from stored, already validated values: no validation pass
+        return CredentialView.model_construct(
+            provider=found.provider,
+            kind=self.kind,
+            secret=found.secret,
+            account=found.account_label,
+            scopes=sorted(found.scopes),
+            expires_at=found.expires_at,
+        )
+
+    def document(self) -> bytes:
+        """`view().model_dump_json(exclude_none=True)`, encoded, without building the model
+        (the credential fetch's hot path; tests/integration_api/test_credential_fetch.py compares
+        the two)."""
+        found = self.credential
+        document: dict[str, Any] = {
+            "provider": found.provider,
+            "kind": self.kind,
+            "secret": found.secret,
+        }
+        if found.account_label is not None:
+            document["account"] = found.account_label
+        document["scopes"] = sorted(found.scopes)
+        if found.expires_at is not None:
+            document["expires_at"] = found.expires_at
+        return orjson.dumps(document, option=orjson.OPT_UTC_Z)
+
+
 class ConnectOutcome(BaseModel):
     status: Literal[
         "connected",
@@ -137,7 +177,7 @@ async def usable_for(
     principal: Principal,
     *,
     known: KnownRows | None = None,
-) -> CredentialView | None:
+) -> UsableCredential | None:
     """The first usable credential among the audiences the service reads, its own first.
     `known`: connection rows of this user already read, used instead of reading them again."""
     for audience in readable_audiences(runtime, service):
@@ -146,16 +186,7 @@ async def usable_for(
         )
         if found is not None:
             oauth = isinstance(runtime.settings.providers[provider], OAuthProviderSettings)
-            kind: Literal["api_key", "oauth2"] = "oauth2" if oauth else "api_key"
-            # built from stored, already validated values: no validation pass (a hot path)
-            return CredentialView.model_construct(
-                provider=provider,
-                kind=kind,
-                secret=found.secret,
-                account=found.account_label,
-                scopes=sorted(found.scopes),
-                expires_at=found.expires_at,
-            )
+            return UsableCredential("oauth2" if oauth else "api_key", found)
     return None
 
 
@@ -203,8 +234,10 @@ async def require_connection(
 ) -> ConnectOutcome:
     found = await usable_for(runtime, service, provider, principal)
     # API keys have no scopes; an OAuth connection must hold every scope asked for (step-up)
-    if found is not None and (found.kind == "api_key" or set(body.scopes) <= set(found.scopes)):
-        return ConnectOutcome(status="connected", credential=found)
+    if found is not None and (
+        found.kind == "api_key" or set(body.scopes) <= found.credential.scopes
+    ):
+        return ConnectOutcome(status="connected", credential=found.view())
     if not _url_declared(body.client_capabilities):
         return ConnectOutcome(
             status="missing_capability", required_capabilities={"elicitation": {"url": {}}}
@@ -212,7 +245,11 @@ async def require_connection(
     settings = runtime.settings.providers[provider]
     scopes = tuple(
         dict.fromkeys(
-            (*getattr(settings, "scopes", ()), *body.scopes, *(found.scopes if found else ()))
+            (
+                *getattr(settings, "scopes", ()),
+                *body.scopes,
+                *(sorted(found.credential.scopes) if found else ()),
+            )
         )
     )
     name = runtime.settings.service_display_name(service.name)
@@ -275,7 +312,7 @@ async def resume_connection(
         known = {(read.flow.provider, read.flow.audience): read.connection}
         found = await usable_for(runtime, service, provider, principal, known=known)
         if found is not None:
-            return ConnectOutcome(status="connected", credential=found)
+            return ConnectOutcome(status="connected", credential=found.view())
         return await require_connection(runtime, service, provider, principal, body)
     if flow is not None and flow.is_open:
         return _elicit(runtime, service, flow, body)

@@ -108,12 +108,10 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
             runtime.note_failed_authentication(address)
             raise InvalidServiceCredentials()
         service, own = found
-        view = await credential_for(
+        usable = await credential_for(
             runtime, service, provider, issuer, subject, known={(provider, service.name): own}
         )
-        response: Response = JsonMessage(
-            view.model_dump_json(exclude_none=True).encode(), 200, None
-        )
+        response: Response = JsonMessage(usable.document(), 200, None)
     except BrokerError as exc:
         response = problem_response(Request(scope, receive), exc)
     except DATABASE_ERRORS as exc:

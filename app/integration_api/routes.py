@@ -31,6 +31,7 @@ from app.integration_api.broker import (
     Disconnection,
     RequireRequest,
     ResumeRequest,
+    UsableCredential,
     readable_audiences,
     require_connection,
     resume_connection,
@@ -154,7 +155,7 @@ async def credential(
     subject: UserSubject,
 ) -> CredentialView:
     """A usable credential (OAuth access tokens are refreshed first when they expire soon)."""
-    return await credential_for(runtime, service, provider, issuer, subject)
+    return (await credential_for(runtime, service, provider, issuer, subject)).view()
 
 
 async def credential_for(
@@ -165,7 +166,7 @@ async def credential_for(
     subject: str,
     *,
     known: KnownRows | None = None,
-) -> CredentialView:
+) -> UsableCredential:
     """The credential route's answer, also given by its fast path (credential_fetch.py), which
     passes the service's own connection row, read with the service (`known`)."""
     _provider(runtime, service, provider)

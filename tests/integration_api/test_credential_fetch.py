@@ -15,7 +15,9 @@ from starlette.datastructures import QueryParams
 
 from app import credentials
 from app.auth.principal import Principal
+from app.credentials import Credential
 from app.crypto import Keyring
+from app.integration_api.broker import UsableCredential
 from app.integration_api.credential_fetch import user_query
 from connect_broker_client.broker import _credential
 
@@ -85,6 +87,29 @@ def test_the_fast_path_reads_the_query_as_starlette_does(query: bytes) -> None:
     found = user_query(scope("/api/v1/credentials/demo", query))
     expected = QueryParams(query.decode("latin-1"))
     assert found == (expected["issuer"], expected["subject"])
+
+
+@pytest.mark.parametrize(
+    "credential",
+    [
+        Credential("demo", "sk_live_1", None, frozenset()),
+        Credential("github", "gho_x", "octo", frozenset({"repo", "read:org"})),
+        Credential(
+            "github", "gho_x", "Zoë ✓", frozenset({"b", "a"}), datetime(2031, 1, 2, tzinfo=UTC)
+        ),
+        Credential(
+            "github", 't"q\\', "", frozenset(), datetime(2031, 1, 2, 3, 4, 5, 60, tzinfo=UTC)
+        ),
+        Credential(
+            "slack", "xoxb", None, frozenset(), datetime(2031, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
+        ),
+    ],
+)
+def test_the_fast_path_document_is_the_routes_json_byte_for_byte(credential: Credential) -> None:
+    """The fast path encodes the credential itself (UsableCredential.document); FastAPI's route
+    has pydantic serialize the same credential (`response_model_exclude_none`)."""
+    for usable in (UsableCredential("api_key", credential), UsableCredential("oauth2", credential)):
+        assert usable.document() == usable.view().model_dump_json(exclude_none=True).encode()
 
 
 async def both_ways(
