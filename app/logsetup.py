@@ -10,6 +10,13 @@ Two costs dominated it, and both are gone:
 
 `LineFormatter` also reuses the timestamp text within a second: `localtime` and `strftime` cost
 more than the rest of a line.
+
+The access line (app/middleware.py) can skip the record altogether: when the handler installed here
+is the only one the line would reach, and no filter is on its way (`sole_line_handler`), the
+handler writes the line the record would have become (`write_plain`). Building the record and
+passing it down the logger and handler chain cost a seventh of the credential fetch's own
+instructions. Anything an operator adds (a handler, a filter, another formatter) sends the line
+the standard way again.
 """
 
 from __future__ import annotations
@@ -42,6 +49,28 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
             self.handleError(record)
             return
         if record.levelno >= logging.WARNING:
+            self.flush()
+            return
+        self._flush_soon()
+
+    def write_plain(self, level: int, name: str, message: str) -> None:
+        """Write what `emit` writes for a plain record (no arguments, exception or stack) of
+        logger `name` at `level`, without building the record. Only for a handler
+        `sole_line_handler` returned, i.e. one formatting with LineFormatter."""
+        formatter = self.formatter
+        assert isinstance(formatter, LineFormatter)
+        line = formatter.plain_line(time.time(), logging.getLevelName(level), name, message)
+        self.acquire()
+        try:
+            self.stream.write(line + self.terminator)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(logging.LogRecord(name, level, "", 0, message, None, None))
+            return
+        finally:
+            self.release()
+        if level >= logging.WARNING:
             self.flush()
             return
         self._flush_soon()
@@ -79,15 +108,47 @@ class LineFormatter(logging.Formatter):
         record.asctime = self.formatTime(record)
         return f"{record.asctime} {record.levelname} {record.name} {record.message}"
 
+    def plain_line(self, created: float, levelname: str, name: str, message: str) -> str:
+        """The line `format` makes of a plain record created at `created` (time.time())."""
+        msecs = int((created - int(created)) * 1000)  # as LogRecord computes it
+        return f"{self._timestamp(created, msecs)} {levelname} {name} {message}"
+
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return self._timestamp(record.created, int(record.msecs))
+
+    def _timestamp(self, created: float, msecs: int) -> str:
+        second = int(created)
         cached_second, text = self._second
         if second != cached_second:
-            text = time.strftime(self.default_time_format, self.converter(record.created))
+            text = time.strftime(self.default_time_format, self.converter(created))
             self._second = (second, text)
-        return f"{text},{int(record.msecs):03d}"
+        return f"{text},{msecs:03d}"
+
+
+def sole_line_handler(logger: logging.Logger, level: int) -> TurnFlushedHandler | None:
+    """The handler a record of `logger` at `level` would be written by, if it is the only one,
+    a TurnFlushedHandler formatting with LineFormatter, and no filter is on the record's way;
+    else None, and the record must go through `logger`. Checked on every call: the logging
+    configuration may change while the process runs."""
+    if logger.filters or not logger.isEnabledFor(level):
+        return None
+    found: TurnFlushedHandler | None = None
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if (
+                found is not None
+                or type(handler) is not TurnFlushedHandler
+                or type(handler.formatter) is not LineFormatter
+                or handler.filters
+                or level < handler.level
+            ):
+                return None
+            found = handler
+        current = current.parent if current.propagate else None
+    return found
 
 
 def buffered_stderr() -> TextIO:

@@ -13,6 +13,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.logsetup import sole_line_handler
 from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
 
 access_logger = logging.getLogger("broker.access")
@@ -106,7 +107,14 @@ class AccessLog:
             seconds = time.perf_counter() - started
             if self.metrics is not None:
                 self.metrics.request(self.route or _route(scope), scope["method"], status, seconds)
-            if access_logger.isEnabledFor(logging.INFO):
+            handler = sole_line_handler(access_logger, logging.INFO)
+            if handler is not None:
+                line = (
+                    f"{scope['method']} {_safe_path(scope['path'])} {status}"
+                    f" {seconds * 1000:.1f}ms rid={request_id}"
+                )
+                handler.write_plain(logging.INFO, access_logger.name, line)
+            elif access_logger.isEnabledFor(logging.INFO):
                 access_logger.info(
                     "%s %s %d %.1fms rid=%s",
                     scope["method"],

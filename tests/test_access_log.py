@@ -3,16 +3,21 @@ machinery (levels, filters and handlers configured by the operator still apply).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from app.logsetup import LineFormatter, TurnFlushedHandler
 from app.middleware import AccessLog, access_logger
 
 LINE = re.compile(r"^GET /items/7 204 \d+\.\dms rid=[0-9a-f]{16}$")
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}$")
 
 
 class Collect(logging.Handler):
@@ -82,3 +87,61 @@ async def test_logger_filters_still_apply(collected: Collect) -> None:
         access_logger.removeFilter(drop_all)
 
     assert collected.records == []
+
+
+@contextlib.contextmanager
+def served_logging() -> Iterator[io.StringIO]:
+    """Logging as `serve` configures it (configure_logging: one TurnFlushedHandler with a
+    LineFormatter), on the access logger itself, into a string; restored afterwards. Entered in
+    the test's body: pytest adds handlers of its own to the root and to non-propagating loggers
+    when a test starts."""
+    saved = (access_logger.handlers[:], access_logger.level, access_logger.propagate)
+    stream = io.StringIO()
+    handler = TurnFlushedHandler(stream)
+    handler.setFormatter(LineFormatter())
+    access_logger.handlers = [handler]
+    access_logger.setLevel(logging.INFO)
+    access_logger.propagate = False
+    try:
+        yield stream
+    finally:
+        access_logger.handlers, level, access_logger.propagate = saved
+        access_logger.setLevel(level)
+
+
+async def test_as_served_the_line_is_written_without_a_record() -> None:
+    """With `serve`'s logging, the line skips the record (logsetup.write_plain) and reads as
+    the record's line would; a filter added on the handler sends it the standard way again."""
+    with served_logging() as stream:
+        made: list[logging.LogRecord] = []
+        factory = logging.getLogRecordFactory()
+
+        def counting_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = factory(*args, **kwargs)
+            made.append(record)
+            return record
+
+        logging.setLogRecordFactory(counting_factory)
+        try:
+            await request()
+            assert made == []
+            (line,) = stream.getvalue().splitlines()
+            date, clock, level, name, message = line.split(" ", 4)
+            assert TIMESTAMP.match(f"{date} {clock}"), line
+            assert (level, name) == ("INFO", "broker.access")
+            assert LINE.match(message), line
+            assert "SECRETCODE" not in line
+
+            seen: list[str] = []
+
+            def note(record: logging.LogRecord) -> bool:
+                seen.append(record.getMessage())
+                return False
+
+            (handler,) = access_logger.handlers
+            handler.addFilter(note)
+            await request()
+            assert len(made) == 1 and len(seen) == 1 and LINE.match(seen[0])
+            assert len(stream.getvalue().splitlines()) == 1  # the filter dropped the second
+        finally:
+            logging.setLogRecordFactory(factory)

@@ -7,11 +7,19 @@ import io
 import logging
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from app.logsetup import LOG_FORMAT, LineFormatter, TurnFlushedHandler, buffered_stderr
+from app.logsetup import (
+    LOG_FORMAT,
+    LineFormatter,
+    TurnFlushedHandler,
+    buffered_stderr,
+    sole_line_handler,
+)
 
 
 class CountingStream(io.StringIO):
@@ -121,3 +129,74 @@ def test_line_formatter_writes_exceptions_as_the_standard_formatter_does() -> No
 
         assert fast.format(record) == standard.format(record)
         assert "ValueError: boom" in fast.format(record)
+
+
+def line_logger(name: str) -> tuple[logging.Logger, TurnFlushedHandler, CountingStream]:
+    """A logger set up as `configure_logging` sets up the root: one TurnFlushedHandler with a
+    LineFormatter."""
+    logger, stream = make_logger(name)
+    (handler,) = logger.handlers
+    assert isinstance(handler, TurnFlushedHandler)
+    handler.setFormatter(LineFormatter())
+    return logger, handler, stream
+
+
+@pytest.mark.parametrize("created", [1_700_000_000.0, 1_700_000_000.9995, 1_700_000_001.0005])
+async def test_a_plain_line_reads_as_the_record_would(
+    created: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`write_plain` skips the record, not anything the line shows: timestamp (milliseconds
+    truncated as LogRecord truncates them), level, logger name, message."""
+    logger, handler, stream = line_logger("plain")
+    monkeypatch.setattr(time, "time", lambda: created)
+
+    logger.info("GET /x 200 1.0ms rid=1")
+    handler.write_plain(logging.INFO, logger.name, "GET /x 200 1.0ms rid=1")
+    await asyncio.sleep(0)
+
+    through_record, plain = stream.getvalue().splitlines()
+    assert plain == through_record
+    assert len(stream.flushed) == 1  # the plain line waited for the end of the turn too
+
+
+def test_a_plain_warning_is_flushed_at_once() -> None:
+    logger, handler, stream = line_logger("plain-warning")
+
+    handler.write_plain(logging.WARNING, logger.name, "trouble")
+
+    assert len(stream.flushed) == 1
+    assert stream.flushed[0].endswith("WARNING test.logsetup.plain-warning trouble\n")
+
+
+def test_the_sole_line_handler_is_found_only_where_nothing_else_would_see_the_record() -> None:
+    logger, handler, _stream = line_logger("sole")
+    child = logging.getLogger(f"{logger.name}.child")  # propagates to `logger`
+    assert sole_line_handler(child, logging.INFO) is handler
+    assert sole_line_handler(logger, logging.INFO) is handler
+
+    def keep(_record: logging.LogRecord) -> bool:
+        return True
+
+    changes: list[tuple[Callable[[], object], Callable[[], object]]] = [
+        (lambda: child.addFilter(keep), lambda: child.removeFilter(keep)),
+        (lambda: handler.addFilter(keep), lambda: handler.removeFilter(keep)),
+        (lambda: handler.setLevel(logging.WARNING), lambda: handler.setLevel(logging.NOTSET)),
+        (lambda: logger.setLevel(logging.WARNING), lambda: logger.setLevel(logging.INFO)),
+        (
+            lambda: handler.setFormatter(logging.Formatter(LOG_FORMAT)),
+            lambda: handler.setFormatter(LineFormatter()),
+        ),
+    ]
+    second = logging.StreamHandler(io.StringIO())
+    changes += [
+        (lambda: child.addHandler(second), lambda: child.removeHandler(second)),
+        (lambda: logger.addHandler(second), lambda: logger.removeHandler(second)),
+    ]
+    for change, undo in changes:
+        change()
+        assert sole_line_handler(child, logging.INFO) is None
+        undo()
+        assert sole_line_handler(child, logging.INFO) is handler
+
+    child.propagate = False  # the record never reaches `logger`'s handler
+    assert sole_line_handler(child, logging.INFO) is None
