@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sqlite3
 import threading
@@ -111,8 +112,11 @@ def read_time(value: str) -> datetime:
     return datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
-def _placeholders(count: int) -> str:
-    return ", ".join("?" * count)
+@functools.cache
+def _with_digests(statement: str, count: int) -> str:
+    """`statement` with its `{digests}` list made of `count` placeholders (one per signing key:
+    a handful of texts, made once)."""
+    return statement.format(digests=", ".join("?" * count))
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
@@ -311,14 +315,14 @@ class SqliteStore:
         return flow_and_connection(row, read_time(row[11]), connection_expires_at)
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
-        statement = FIND_SERVICE.format(digests=_placeholders(len(digests)))
+        statement = _with_digests(FIND_SERVICE, len(digests))
         row = await self._run(lambda c: c.execute(statement, digests).fetchone())
         return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
 
     async def find_service_and_own_connection(
         self, digests: list[str], issuer: str, subject: str, provider: str
     ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
-        statement = FIND_SERVICE_AND_OWN_CONNECTION.format(digests=_placeholders(len(digests)))
+        statement = _with_digests(FIND_SERVICE_AND_OWN_CONNECTION, len(digests))
         values = (issuer, subject, provider, *digests)
         row = await self._run(lambda c: c.execute(statement, values).fetchone())
         if row is None:
