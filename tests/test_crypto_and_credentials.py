@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import base64
+import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,16 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app import credentials
 from app.auth.principal import McpCaller, Principal
 from app.connect import revocations
-from app.crypto import InvalidSeal, Keyring, generate_key, random_token, seal, unseal
+from app.crypto import (
+    InvalidSeal,
+    Keyring,
+    b64decode,
+    b64encode,
+    generate_key,
+    random_token,
+    seal,
+    unseal,
+)
 from app.db import create_engine, create_sessionmaker
 from app.mcp.request_state import RequestStateCodec
 from app.migrate import upgrade
@@ -24,6 +35,35 @@ from .support.broker import drop_database, fresh_database
 
 ALICE = Principal("https://idp.example", "alice")
 BOB = Principal("https://idp.example", "bob")
+
+
+def _decoded(decode: Callable[[str], bytes], text: str) -> bytes | None:
+    """The decoded bytes, or None for a ValueError (binascii.Error and UnicodeEncodeError are
+    both ValueErrors, which is what callers catch)."""
+    try:
+        return decode(text)
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "QQ", "QUI", "QUJD", "-_-_", "a-b_c", "QU JD", "Q!U*J", "QUJD" * 100, "Q", "QUJDQ", "é"],
+)
+def test_b64decode_decodes_and_refuses_as_the_standard_library_does(text: str) -> None:
+    """Unpadded base64url; characters outside the alphabet skipped, impossible lengths and
+    non-ASCII text refused (a ValueError), as `urlsafe_b64decode` does."""
+
+    def standard(value: str) -> bytes:
+        return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+
+    assert _decoded(b64decode, text) == _decoded(standard, text)
+
+
+def test_b64decode_reverses_b64encode() -> None:
+    for size in range(70):
+        data = os.urandom(size)
+        assert b64decode(b64encode(data)) == data
 
 
 @pytest.fixture
