@@ -222,21 +222,33 @@ def credential_path(issuer: str, subject: str) -> str:
 
 async def prepare_credentials(prep: CredentialPreparation, subjects: list[str]) -> list[str]:
     """Store a key per user for the service; check one fetch; the paths for wrk, in order."""
-    keys = Keyring.parse(prep.sealing_keys)
-    stored: dict[str, str] = {}
-    engine = create_engine(prep.database_url, pool_size=2)
-    try:
-        async with create_sessionmaker(engine).begin() as session:
-            for subject in subjects:
-                principal = Principal(issuer=prep.issuer, subject=subject)
-                stored[subject] = await _store_api_key(
-                    session, keys, principal, audience=prep.service
-                )
-    finally:
-        await engine.dispose()
+    stored = await store_api_keys(
+        prep.database_url, prep.sealing_keys, prep.issuer, prep.service, subjects
+    )
     paths = [credential_path(prep.issuer, subject) for subject in subjects]
     await _check_credential(prep, paths[0], stored[subjects[0]])
     return paths
+
+
+async def store_api_keys(
+    database_url: str,
+    sealing_keys: tuple[str, ...],
+    issuer: str,
+    service: str,
+    subjects: list[str],
+) -> dict[str, str]:
+    """A fresh sealed demo API key per subject, owned by `service`: subject -> key."""
+    keys = Keyring.parse(sealing_keys)
+    stored: dict[str, str] = {}
+    engine = create_engine(database_url, pool_size=2)
+    try:
+        async with create_sessionmaker(engine).begin() as session:
+            for subject in subjects:
+                principal = Principal(issuer=issuer, subject=subject)
+                stored[subject] = await _store_api_key(session, keys, principal, audience=service)
+    finally:
+        await engine.dispose()
+    return stored
 
 
 async def _check_credential(prep: CredentialPreparation, path: str, api_key: str) -> None:

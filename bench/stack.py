@@ -114,11 +114,19 @@ def running_broker(
 
     Its configuration is `config_file(workdir, name)`, for further CLI commands.
     """
+    config_path = migrated_config(config, database_url, workdir, name)
+    serve = [*pin.server, *_cli(config_path), "serve", "--port", str(config.port), "--workers", "1"]
+    log_path = workdir / f"{name}.log"
+    with running_process(serve, log_path, http_ok(f"{config.public_url}/healthz"), name) as process:
+        yield process
+
+
+def migrated_config(config: BrokerConfig, database_url: str, workdir: Path, name: str) -> Path:
+    """`config_file(workdir, name)`, written for `database_url`, and that database migrated."""
     config_path = config_file(workdir, name)
     config_path.write_text(config.render(database_url))
-    cli = _cli(config_path)
     migrated = subprocess.run(
-        [*cli, "migrate"],
+        [*_cli(config_path), "migrate"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -127,10 +135,7 @@ def running_broker(
     )
     if migrated.returncode != 0:
         raise StackError(f"migrate failed:\n{migrated.stderr}")
-    serve = [*pin.server, *cli, "serve", "--port", str(config.port), "--workers", "1"]
-    log_path = workdir / f"{name}.log"
-    with running_process(serve, log_path, http_ok(f"{config.public_url}/healthz"), name) as process:
-        yield process
+    return config_path
 
 
 def config_file(workdir: Path, name: str) -> Path:
