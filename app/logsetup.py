@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from typing import TextIO
+from typing import TextIO, cast
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 BUFFER_BYTES = 64 * 1024
@@ -57,8 +57,7 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
         """Write what `emit` writes for a plain record (no arguments, exception or stack) of
         logger `name` at `level`, without building the record. Only for a handler
         `sole_line_handler` returned, i.e. one formatting with LineFormatter."""
-        formatter = self.formatter
-        assert isinstance(formatter, LineFormatter)
+        formatter = cast(LineFormatter, self.formatter)
         line = formatter.plain_line(time.time(), logging.getLevelName(level), name, message)
         self.acquire()
         try:
