@@ -149,6 +149,7 @@ async def test_a_plain_line_reads_as_the_record_would(
     truncated as LogRecord truncates them), level, logger name, message."""
     logger, handler, stream = line_logger("plain")
     monkeypatch.setattr(time, "time", lambda: created)
+    monkeypatch.setattr(time, "time_ns", lambda: int(created * 1e9))  # LogRecord on 3.12+
 
     logger.info("GET /x 200 1.0ms rid=1")
     handler.write_plain(logging.INFO, logger.name, "GET /x 200 1.0ms rid=1")
