@@ -109,7 +109,7 @@ class LineFormatter(logging.Formatter):
 
     def plain_line(self, created: float, levelname: str, name: str, message: str) -> str:
         """The line `format` makes of a plain record created at `created` (time.time())."""
-        msecs = int((created - int(created)) * 1000)  # as LogRecord computes it
+        msecs = int((created - int(created)) * 1000)  # truncated, as LogRecord does
         return f"{self._timestamp(created, msecs)} {levelname} {name} {message}"
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
