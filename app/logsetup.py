@@ -48,10 +48,7 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
         except Exception:
             self.handleError(record)
             return
-        if record.levelno >= logging.WARNING:
-            self.flush()
-            return
-        self._flush_soon()
+        self._flush_for(record.levelno)
 
     def write_plain(self, level: int, name: str, message: str) -> None:
         """Write what `emit` writes for a plain record (no arguments, exception or stack) of
@@ -69,10 +66,14 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
             return
         finally:
             self.release()
+        self._flush_for(level)
+
+    def _flush_for(self, level: int) -> None:
+        """WARNING and above at once, the rest at the end of the loop turn."""
         if level >= logging.WARNING:
             self.flush()
-            return
-        self._flush_soon()
+        else:
+            self._flush_soon()
 
     def _flush_soon(self) -> None:
         if self._flush_pending:
