@@ -4,10 +4,10 @@ Two budgets (SECURITY.md T21; MCP servers must rate-limit tool invocations):
 - each user (issuer and subject of a verified token) may make `user_requests_per_minute` MCP
   requests, in bursts of up to `user_burst`;
 - each client address may present `failed_auths_per_minute` credentials that turn out wrong (MCP
-  tokens, service secrets), in bursts of up to `failed_auth_burst`. A token of ours that has
-  only expired is not wrong: its client is due to refresh. Once that is spent, its
+  tokens, service secrets), in bursts of up to `failed_auth_burst`. Once that is spent, its
   requests are refused before any signature check or lookup, except those with a token this
-  process has already verified (users behind the same address keep working).
+  process has already verified (users behind the same address keep working). A token of ours
+  that has only expired is not wrong: its client is due to refresh.
 A budget of 0 turns that limit off. The buckets live in each process: with N processes (replicas,
 `serve --workers N`), a client gets up to N times the budget.
 """
