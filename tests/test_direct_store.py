@@ -632,7 +632,7 @@ async def test_inserts_of_one_loop_turn_share_one_commit(
     batches: list[int] = []
     apply = sqlite_store._apply
 
-    def counting(connection: sqlite3.Connection, writes: list[sqlite_store._Write]) -> object:
+    def counting(connection: sqlite3.Connection, writes: list[sqlite_store._Statement]) -> object:
         batches.append(len(writes))
         return apply(connection, writes)
 
@@ -645,6 +645,57 @@ async def test_inserts_of_one_loop_turn_share_one_commit(
         assert await flows.read_for(
             sqlite_database.store, flow_id=flow.id, principal=flow.principal
         )
+
+
+async def test_reads_of_one_loop_turn_share_one_read_transaction(
+    sqlite_database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[int] = []
+    read_all = sqlite_store._read_all
+
+    def counting(connection: sqlite3.Connection, reads: list[sqlite_store._Statement]) -> object:
+        batches.append(len(reads))
+        return read_all(connection, reads)
+
+    monkeypatch.setattr(sqlite_store, "_read_all", counting)
+    store = sqlite_database.store
+    started = await start_flow(store, "nina")
+
+    flow, connection, service = await asyncio.gather(
+        store.get_flow_and_connection(started.id),
+        store.find_connection(ISSUER, "nina", "demo", "mcp"),
+        store.find_service(["no-such-digest"]),
+    )
+
+    assert batches == [3]
+    assert flow is not None
+    assert flow[0].id == started.id
+    assert (connection, service) == (None, None)
+
+
+def test_a_batch_of_reads_runs_in_one_transaction_and_leaves_none_open_on_error(
+    sqlite_database: Database,
+) -> None:
+    def statement(sql: str) -> sqlite_store._Statement:
+        return sqlite_store._Statement(sql, ())
+
+    with contextlib.closing(
+        sqlite3.connect(sqlite_path(sqlite_database.url), isolation_level=None)
+    ) as connection:
+        traced: list[str] = []
+        connection.set_trace_callback(traced.append)
+        rows = sqlite_store._read_all(
+            connection, [statement("SELECT count(*) FROM flows"), statement("SELECT 2")]
+        )
+        assert rows == [(0,), (2,)]
+        assert traced == ["BEGIN", "SELECT count(*) FROM flows", "SELECT 2", "COMMIT"]
+
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            sqlite_store._read_all(
+                connection, [statement("SELECT 1"), statement("SELECT * FROM no_such_table")]
+            )
+        assert not connection.in_transaction
+        assert sqlite_store._read_all(connection, [statement("SELECT 3")]) == [(3,)]
 
 
 async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Database) -> None:

@@ -15,7 +15,7 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
                      both at once, for the integration API's credential fetch
 
 On PostgreSQL the calls of one event-loop turn share one statement (batching.py); on SQLite the
-inserts of one turn share one commit.
+reads of one turn share one read transaction, and the inserts one commit.
 
 Everything else (pages, transitions, refresh under a row lock, the CLI) stays on SQLAlchemy. Both
 work on the same tables built by the Alembic migrations.

@@ -7,6 +7,14 @@ connection (a SQLAlchemy transaction, the CLI). The loop's connection therefore 
 wait for the lock (as long as app/db.py's statement bound), and the event loop keeps serving other
 requests meanwhile.
 
+Reads are batched by loop turn too: the reads issued during one turn run together at the start of
+the next, in one read transaction (one snapshot of the database, one lock of the WAL index instead
+of a lock pair per statement), and their requests resume together. So their answers leave the
+process back to back, as PostgreSQL's batched answers do: a client sleeping on several connections
+is woken once for all of them, not once per answer, and under load that wakeup cost more CPU than
+the statement itself (`python -m bench.run`, credential fetch: 0.10 → 0.08 ms of CPU per request,
+9,988 → 11,863 req/s on one worker).
+
 Writes are group-committed: inserts issued during one turn of the event loop share one
 transaction, committed on the next turn (a commit costs more than the insert itself). Each insert
 succeeds or fails alone: SQLite backs out a failed statement without ending the transaction.
@@ -124,12 +132,32 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
 
 
 @dataclass(slots=True)
-class _Write:
+class _Statement:
     statement: str
     values: tuple[Any, ...]
 
 
-def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | Exception]:
+def _read_all(connection: sqlite3.Connection, reads: list[_Statement]) -> list[Any]:
+    """The first row (or None) of each read, all in one read transaction."""
+    if len(reads) == 1:
+        return [connection.execute(reads[0].statement, reads[0].values).fetchone()]
+    connection.execute("BEGIN")
+    try:
+        rows = [connection.execute(read.statement, read.values).fetchone() for read in reads]
+        connection.execute("COMMIT")
+    except BaseException:
+        _roll_back(connection)
+        raise
+    return rows
+
+
+def _roll_back(connection: sqlite3.Connection) -> None:
+    if connection.in_transaction:
+        with contextlib.suppress(sqlite3.Error):  # the original error is the one to report
+            connection.execute("ROLLBACK")
+
+
+def _apply(connection: sqlite3.Connection, writes: list[_Statement]) -> list[int | Exception]:
     """Run `writes` in one transaction; each gets its row count or its own error."""
     outcomes: list[int | Exception] = []
     connection.execute("BEGIN IMMEDIATE")
@@ -141,9 +169,7 @@ def _apply(connection: sqlite3.Connection, writes: list[_Write]) -> list[int | E
                 outcomes.append(exc)
         connection.execute("COMMIT")
     except BaseException:
-        if connection.in_transaction:
-            with contextlib.suppress(sqlite3.Error):  # the original error is the one to report
-                connection.execute("ROLLBACK")
+        _roll_back(connection)
         raise
     return outcomes
 
@@ -152,7 +178,8 @@ class SqliteStore:
     def __init__(self, path: str) -> None:
         self._path = path
         self._loop_connection: sqlite3.Connection | None = None
-        self._writes: LoopBatcher[_Write, int] = LoopBatcher(self._commit)
+        self._reads: LoopBatcher[_Statement, Any] = LoopBatcher(self._read_batch)
+        self._writes: LoopBatcher[_Statement, int] = LoopBatcher(self._commit)
         self._checkpoint: asyncio.TimerHandle | None = None
         self._checkpoints: set[asyncio.Task[None]] = set()
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
@@ -201,11 +228,18 @@ class SqliteStore:
         except sqlite3.DatabaseError as exc:  # locked, I/O, full, corrupt, not a database …
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
+    async def _read(self, statement: str, values: tuple[Any, ...]) -> Any:
+        """The first row of `statement` (or None), read with the other reads of this loop turn."""
+        return await self._reads.submit(_Statement(statement, values))
+
+    async def _read_batch(self, reads: list[_Statement]) -> list[Any]:
+        return await self._run(lambda c: _read_all(c, reads))
+
     async def _write(self, statement: str, values: tuple[Any, ...]) -> int:
         """The row count of `statement`, committed with the other writes of this loop turn."""
-        return await self._writes.submit(_Write(statement, values))
+        return await self._writes.submit(_Statement(statement, values))
 
-    async def _commit(self, writes: list[_Write]) -> list[int | Exception]:
+    async def _commit(self, writes: list[_Statement]) -> list[int | Exception]:
         try:
             turn, left_seconds = await self._gate.acquire()
         except WriteTurnTimeout as exc:
@@ -277,9 +311,7 @@ class SqliteStore:
     async def find_connection(
         self, issuer: str, subject: str, provider: str, audience: str
     ) -> ConnectionRecord | None:
-        row = await self._run(
-            lambda c: c.execute(FIND_CONNECTION, (issuer, subject, provider, audience)).fetchone()
-        )
+        row = await self._read(FIND_CONNECTION, (issuer, subject, provider, audience))
         if row is None:
             return None
         expires_at = read_time(row[5]) if row[5] is not None else None
@@ -308,7 +340,7 @@ class SqliteStore:
     async def get_flow_and_connection(
         self, flow_id: str
     ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
-        row = await self._run(lambda c: c.execute(GET_FLOW_AND_CONNECTION, (flow_id,)).fetchone())
+        row = await self._read(GET_FLOW_AND_CONNECTION, (flow_id,))
         if row is None:
             return None
         connection_expires_at = read_time(row[17]) if row[17] is not None else None
@@ -316,7 +348,7 @@ class SqliteStore:
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         statement = _with_digests(FIND_SERVICE, len(digests))
-        row = await self._run(lambda c: c.execute(statement, digests).fetchone())
+        row = await self._read(statement, tuple(digests))
         return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
 
     async def find_service_and_own_connection(
@@ -324,7 +356,7 @@ class SqliteStore:
     ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
         statement = _with_digests(FIND_SERVICE_AND_OWN_CONNECTION, len(digests))
         values = (issuer, subject, provider, *digests)
-        row = await self._run(lambda c: c.execute(statement, values).fetchone())
+        row = await self._read(statement, values)
         if row is None:
             return None
         expires_at = read_time(row[7]) if row[7] is not None else None
