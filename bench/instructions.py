@@ -1,14 +1,16 @@
 """Instructions per credential fetch, counted by callgrind: a figure that holds still.
 
-    python -m bench.instructions [--requests 2000]
+    python -m bench.instructions [--requests 2000] [--concurrency 32]
 
 wrk's req/s moves with whatever else the machine does; an instruction count does not. This sends
 the `credential` scenario's requests (bench/run.py) to the broker's ASGI app called in-process,
 no HTTP server (the app's own work only: routing, access line, service-secret check, the SQLite
 read, unsealing, the answer), under `valgrind --tool=callgrind`; then the same requests to the bare
-reference's route (bench/echo_app.py), the same way. Each side runs twice after the same warm-up:
-without measured requests, and with --requests of them; the difference, divided by --requests,
-is its instructions per request. The ratio is bare / broker, as bench/run.py's ratios are.
+reference's route (bench/echo_app.py), the same way. Requests go --concurrency at a time, as
+bench/run.py's connections do, so what the store batches per event-loop turn is batched here
+too; --concurrency 1 counts a request on an idle server. Each side runs twice after the same
+warm-up: without measured requests, and with --requests of them; the difference, divided by
+--requests, is its instructions per request. The ratio is bare / broker, as bench/run.py's are.
 
 valgrind reports fewer CPU features than the machine has, and OpenSSL then runs generic code for
 SHA-256: the secret's digest weighs more here than on the machine. Compare commits with it; do
@@ -54,40 +56,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per side")
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="requests in flight at once (wrk's connections)"
+    )
     # a run under callgrind: --child broker|bare --config FILE --pool FILE --measured N
     parser.add_argument("--child", choices=("broker", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--pool", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--measured", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.requests < 1:
-        parser.error("--requests must be positive")
+    if args.requests < 1 or args.concurrency < 1:
+        parser.error("--requests and --concurrency must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        return _child(args.child, args.config, args.pool, args.measured)
+        return _child(args.child, args.config, args.pool, args.measured, args.concurrency)
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         print("valgrind is not installed: apt-get install valgrind", file=sys.stderr)
         return 2
     try:
         with tempfile.TemporaryDirectory(prefix="broker-instructions-") as tmp:
-            per_request = _measure(valgrind, Path(tmp), args.requests)
+            per_request = _measure(valgrind, Path(tmp), args.requests, args.concurrency)
     except StackError as exc:
         print(f"instruction count failed: {exc}", file=sys.stderr)
         return 1
     broker, bare = per_request["broker"], per_request["bare"]
-    print(f"instructions per credential fetch, in-process, {args.requests} measured requests:")
+    print(
+        f"instructions per credential fetch, in-process, {args.requests} measured requests,"
+        f" {args.concurrency} at a time:"
+    )
     print(f"  broker  {broker:>9,.0f}")
     print(f"  bare    {bare:>9,.0f}")
     print(f"  ratio   {bare / broker:.3f}x (bare / broker)")
     return 0
 
 
-def _measure(valgrind: str, workdir: Path, requests: int) -> dict[str, float]:
+def _measure(valgrind: str, workdir: Path, requests: int, concurrency: int) -> dict[str, float]:
     """Set up the scenario on a fresh SQLite database, then count each side without and with
     the measured requests (two runs at a time: the counts do not depend on the load)."""
     with fresh_database("sqlite", workdir) as url:
@@ -102,7 +110,9 @@ def _measure(valgrind: str, workdir: Path, requests: int) -> dict[str, float]:
         counts: dict[tuple[str, int], int] = {}
         for side in ("broker", "bare"):
             runs = {
-                (side, measured): _start_child(valgrind, side, config_path, pool, measured)
+                (side, measured): _start_child(
+                    valgrind, side, config_path, pool, measured, concurrency
+                )
                 for measured in (0, requests)
             }
             for run, process in runs.items():
@@ -113,12 +123,13 @@ def _measure(valgrind: str, workdir: Path, requests: int) -> dict[str, float]:
 
 
 def _start_child(
-    valgrind: str, side: str, config: Path, pool: Path, measured: int
+    valgrind: str, side: str, config: Path, pool: Path, measured: int, concurrency: int
 ) -> subprocess.Popen[str]:
     command = [
         *(valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"),
         *(sys.executable, "-m", "bench.instructions", "--child", side),
         *("--config", str(config), "--pool", str(pool), "--measured", str(measured)),
+        *("--concurrency", str(concurrency)),
     ]
     # one hash seed for every run: the same dict and set layouts with and without the requests
     environment = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -147,14 +158,14 @@ def _collected(run: tuple[str, int], process: subprocess.Popen[str]) -> int:
     return int(found.group(1))
 
 
-def _child(side: str, config_path: Path, pool: Path, measured: int) -> int:
-    """Send WARMUP + `measured` requests of `pool` to one side's app; 1 if one is not a 200 with
-    a stored key in it."""
+def _child(side: str, config_path: Path, pool: Path, measured: int, concurrency: int) -> int:
+    """Send WARMUP + `measured` requests of `pool` to one side's app, `concurrency` at a time;
+    1 if one is not a 200 with a stored key in it."""
     requests = [_request(line) for line in pool.read_text().splitlines()]
     if side == "bare":
         from bench.echo_app import app as bare
 
-        return asyncio.run(_drive(bare, "127.0.0.1", requests, measured))
+        return asyncio.run(_drive(bare, "127.0.0.1", requests, measured, concurrency))
     from app.config import load_settings
     from app.logsetup import configure_logging
     from app.main import create_app
@@ -164,7 +175,7 @@ def _child(side: str, config_path: Path, pool: Path, measured: int) -> int:
         settings = load_settings(config_path)
         app = create_app(settings)
         host = urlsplit(settings.public_url).netloc
-        return asyncio.run(_drive_served(app, host, requests, measured))
+        return asyncio.run(_drive_served(app, host, requests, measured, concurrency))
 
 
 def _request(line: str) -> tuple[str, str]:
@@ -174,20 +185,32 @@ def _request(line: str) -> tuple[str, str]:
 
 
 async def _drive_served(
-    app: FastAPI, host: str, requests: Sequence[tuple[str, str]], measured: int
+    app: FastAPI, host: str, requests: Sequence[tuple[str, str]], measured: int, concurrency: int
 ) -> int:
     async with app.router.lifespan_context(app):
-        return await _drive(app, host, requests, measured)
+        return await _drive(app, host, requests, measured, concurrency)
 
 
-async def _drive(app: Asgi, host: str, requests: Sequence[tuple[str, str]], measured: int) -> int:
-    for number in range(WARMUP + measured):
-        secret, target = requests[number % len(requests)]
-        status, body = await _get(app, host, secret, target)
-        if status != 200 or CREDENTIAL.encode() not in body:
-            print(f"GET {target} answered {status}: {body[:300]!r}", file=sys.stderr)
-            return 1
+async def _drive(
+    app: Asgi, host: str, requests: Sequence[tuple[str, str]], measured: int, concurrency: int
+) -> int:
+    """The warm-up, then the measured requests, each in rounds of `concurrency` at once (so the
+    rounds of the warm-up are the same whether requests are measured or not)."""
+    for first, count in (*_rounds(0, WARMUP, concurrency), *_rounds(WARMUP, measured, concurrency)):
+        chosen = [requests[number % len(requests)] for number in range(first, first + count)]
+        answers = await asyncio.gather(*(_get(app, host, *request) for request in chosen))
+        for (_, target), (status, body) in zip(chosen, answers, strict=True):
+            if status != 200 or CREDENTIAL.encode() not in body:
+                print(f"GET {target} answered {status}: {body[:300]!r}", file=sys.stderr)
+                return 1
     return 0
+
+
+def _rounds(first: int, total: int, size: int) -> list[tuple[int, int]]:
+    """(first request number, count) of each round of at most `size`, covering `total`."""
+    return [
+        (start, min(size, first + total - start)) for start in range(first, first + total, size)
+    ]
 
 
 async def _get(app: Asgi, host: str, secret: str, target: str) -> tuple[int, bytes]:
