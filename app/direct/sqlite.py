@@ -7,7 +7,7 @@ connection (a SQLAlchemy transaction, the CLI). The loop's connection therefore 
 wait for the lock (as long as app/db.py's statement bound), and the event loop keeps serving other
 requests meanwhile.
 
-Reads are batched by loop turn too: the reads issued during one turn run together at the start of
+Reads are batched by loop turn: the reads issued during one turn run together at the start of
 the next, in one read transaction (one snapshot of the database, one lock of the WAL index instead
 of a lock pair per statement), and their requests resume together. So their answers leave the
 process back to back, as PostgreSQL's batched answers do: a client sleeping on several connections
