@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI
 
 from bench.pool import credential_path, store_api_keys, write_get_pool
-from bench.run import DEMO_PROVIDER
+from bench.run import CONNECTIONS, DEMO_PROVIDER
 from bench.scenarios import CREDENTIAL, SERVICE
 from bench.stack import REPO, StackError, create_service, fresh_database, migrated_config
 from tests.support.broker import BrokerConfig
@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per side")
     parser.add_argument(
-        "--concurrency", type=int, default=32, help="requests in flight at once (wrk's connections)"
+        "--concurrency",
+        type=int,
+        default=CONNECTIONS,
+        help="requests in flight at once (bench.run's wrk connections)",
     )
     # a run under callgrind: --child broker|bare --config FILE --pool FILE --measured N
     parser.add_argument("--child", choices=("broker", "bare"), help=argparse.SUPPRESS)

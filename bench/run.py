@@ -63,6 +63,9 @@ DEMO_PROVIDER: dict[str, Any] = {
 }
 
 
+CONNECTIONS = 32  # wrk connections by default; bench/instructions.py sends as many at once
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
@@ -70,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--duration", type=int, default=10, help="seconds per measured run")
-    parser.add_argument("--connections", type=int, default=32, help="wrk connections")
+    parser.add_argument("--connections", type=int, default=CONNECTIONS, help="wrk connections")
     parser.add_argument("--db", default="sqlite,postgresql", help="comma-separated database kinds")
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up before each run")
     parser.add_argument(
