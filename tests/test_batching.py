@@ -71,21 +71,54 @@ async def test_a_failed_item_fails_alone() -> None:
     assert results[2] == 6
 
 
-async def test_a_failing_handler_fails_every_call_of_its_batch_and_no_later_one() -> None:
-    calls = 0
+async def test_a_shared_failure_fails_every_call_of_its_batch_at_once_and_no_later_one() -> None:
+    batches: list[list[int]] = []
 
     async def handle(items: list[int]) -> Sequence[int]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
+        batches.append(list(items))
+        if len(batches) == 1:
             raise ConnectionError("database gone")
         return items
 
-    batcher = LoopBatcher(handle)
+    batcher = LoopBatcher(handle, shared_failures=(ConnectionError,))
     results = await asyncio.gather(batcher.submit(1), batcher.submit(2), return_exceptions=True)
 
     assert [type(result) for result in results] == [ConnectionError, ConnectionError]
+    assert batches == [[1, 2]]  # no item was tried again alone
     assert await batcher.submit(3) == 3
+
+
+async def test_a_batch_refused_for_one_item_s_value_fails_that_item_alone() -> None:
+    """Like one statement for the whole batch: one bad value makes the database refuse it all."""
+    batches: list[list[int]] = []
+
+    async def handle(items: list[int]) -> Sequence[int]:
+        batches.append(list(items))
+        if any(item < 0 for item in items):
+            raise ValueError("a value the database refuses")
+        return [item * 2 for item in items]
+
+    batcher = LoopBatcher(handle, shared_failures=(ConnectionError,))
+    results = await asyncio.gather(
+        batcher.submit(1), batcher.submit(-1), batcher.submit(3), return_exceptions=True
+    )
+
+    assert results[0] == 2
+    assert isinstance(results[1], ValueError)
+    assert results[2] == 6
+    assert batches == [[1, -1, 3], [1], [-1], [3]]
+
+
+async def test_a_lone_item_that_fails_is_not_tried_twice() -> None:
+    batches: list[list[int]] = []
+
+    async def handle(items: list[int]) -> Sequence[int]:
+        batches.append(list(items))
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        await LoopBatcher(handle).submit(1)
+    assert batches == [[1]]
 
 
 async def test_a_handler_answering_the_wrong_number_of_items_fails_the_batch_not_hangs() -> None:

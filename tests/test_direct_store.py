@@ -434,6 +434,68 @@ async def test_concurrent_reads_each_get_their_own_row(database: Database) -> No
     ]
 
 
+# Values one database or the other refuses to bind or store: a lone surrogate, a NUL.
+POISON = ("bad\ud800", "bad\x00")
+
+
+async def test_a_value_the_database_refuses_fails_only_its_own_call(database: Database) -> None:
+    """The calls of one loop turn share a statement or a transaction: a value the database
+    refuses in one of them must not fail the others (nor be reported as the store being down)."""
+    async with database.sessions.begin() as session:
+        secret = await services.create(session, keys=KEYS, name="svc-p", providers=())
+        for subject in ("kim", "lee"):
+            await credentials.store(
+                session,
+                keys=KEYS,
+                principal=Principal(ISSUER, subject),
+                provider="demo",
+                audience="svc-p",
+                secret={"api_key": f"sk_{subject}_poison"},
+            )
+
+    def refused_or_absent(outcome: object) -> bool:
+        return outcome is None or (
+            isinstance(outcome, Exception) and not isinstance(outcome, StoreUnavailable)
+        )
+
+    found = await asyncio.gather(
+        database.store.find_connection(ISSUER, "kim", "demo", "svc-p"),
+        *(database.store.find_connection(ISSUER, bad, "demo", "svc-p") for bad in POISON),
+        database.store.find_connection(ISSUER, "lee", "demo", "svc-p"),
+        return_exceptions=True,
+    )
+    assert [isinstance(row, ConnectionRecord) for row in (found[0], found[3])] == [True, True]
+    assert all(refused_or_absent(outcome) for outcome in found[1:3])
+
+    fetched = await asyncio.gather(
+        *(
+            services.authenticate_with_own_connection(
+                database.store,
+                keys=KEYS,
+                secret=secret,
+                principal=Principal(ISSUER, subject),
+                provider="demo",
+            )
+            for subject in ("kim", *POISON, "lee")
+        ),
+        return_exceptions=True,
+    )
+    assert [type(fetched[i]) for i in (0, 3)] == [tuple, tuple]
+    assert all(refused_or_absent(outcome) or isinstance(outcome, tuple) for outcome in fetched)
+
+    created = await asyncio.gather(
+        start_flow(database.store, "kim"),
+        *(start_flow(database.store, bad) for bad in POISON),
+        start_flow(database.store, "lee"),
+        return_exceptions=True,
+    )
+    assert [type(created[i]) for i in (0, 3)] == [flows.FlowView, flows.FlowView]
+    reads = await asyncio.gather(
+        *(database.store.get_flow_and_connection(created[i].id) for i in (0, 3))  # type: ignore[union-attr]
+    )
+    assert [read[0].subject if read else None for read in reads] == ["kim", "lee"]
+
+
 async def test_the_open_flow_cap_holds_among_concurrent_inserts(database: Database) -> None:
     attempts = [*(["nina"] * (MAX_OPEN_FLOWS_PER_USER + 5)), "omar", "omar", "omar"]
 
@@ -534,9 +596,10 @@ async def test_postgresql_sends_the_calls_of_one_loop_turn_as_one_statement(
     ]
 
 
-async def test_postgresql_writes_nothing_of_a_batch_that_fails(postgresql_url: str) -> None:
-    """Flow ids are 256-bit random, so a duplicate is a bug; it fails its whole batch (one
-    statement), and nothing of that batch is written."""
+async def test_postgresql_fails_only_the_insert_at_fault_in_its_batch(postgresql_url: str) -> None:
+    """Flow ids are 256-bit random, so a duplicate is a bug. It makes PostgreSQL refuse the whole
+    batch's statement, which writes nothing; each insert is then tried alone, and only the
+    duplicate fails."""
     store = open_direct_store(postgresql_url, pool_size=2)
     try:
         results = await asyncio.gather(
@@ -545,10 +608,12 @@ async def test_postgresql_writes_nothing_of_a_batch_that_fails(postgresql_url: s
             store.insert_flow(new_flow("other-id", "rae"), max_open=20),
             return_exceptions=True,
         )
-        assert all(isinstance(result, asyncpg.UniqueViolationError) for result in results)
-        assert await store.get_flow_and_connection("same-id") is None
-        assert await store.get_flow_and_connection("other-id") is None
-        assert await store.insert_flow(new_flow("other-id", "rae"), max_open=20) is True
+        assert results[0] is True
+        assert isinstance(results[1], asyncpg.UniqueViolationError)
+        assert results[2] is True
+        same = await store.get_flow_and_connection("same-id")
+        assert same is not None and same[0].subject == "pat"
+        assert await store.get_flow_and_connection("other-id") is not None
     finally:
         await store.close()
 

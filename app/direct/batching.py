@@ -3,6 +3,12 @@
 Under load many requests reach the same statement in the same turn of the event loop. Sending
 them as one statement (one pool checkout, one round trip, one commit) costs the process a
 fraction of sending each alone; a request waits at most until the end of the current turn.
+
+A batch must not let one request's bad value fail the others. When the handler raises for a batch
+of several items, the batcher cannot tell whose item caused it (PostgreSQL refuses a whole
+statement for one NUL; SQLite cannot bind one lone surrogate), so it hands each item to the handler
+again, alone: each then gets its own answer. Failures that are nobody's item (the database is
+gone) are declared by the caller as `shared_failures` and fail the batch at once, without retries.
 """
 
 from __future__ import annotations
@@ -26,8 +32,14 @@ class LoopBatcher(Generic[Item, Result]):
     A cancelled caller leaves its item in the batch; its outcome is dropped.
     """
 
-    def __init__(self, handle: BatchHandler[Item, Result]) -> None:
+    def __init__(
+        self,
+        handle: BatchHandler[Item, Result],
+        *,
+        shared_failures: tuple[type[Exception], ...] = (),
+    ) -> None:
         self._handle = handle
+        self._shared_failures = shared_failures
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._running: set[asyncio.Task[None]] = set()
 
@@ -46,13 +58,13 @@ class LoopBatcher(Generic[Item, Result]):
         task.add_done_callback(self._running.discard)
 
     async def _run(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
-        try:
-            outcomes = await self._handle([item for item, _ in batch])
-        except Exception as exc:
-            outcomes = [exc] * len(batch)
-        if len(outcomes) != len(batch):  # a bug in the handler: fail the batch, never hang it
-            error = RuntimeError(f"{len(outcomes)} outcomes for a batch of {len(batch)}")
-            outcomes = [error] * len(batch)
+        items = [item for item, _ in batch]
+        outcomes = await self._outcomes(items)
+        shared = isinstance(outcomes, self._shared_failures)
+        if len(items) > 1 and isinstance(outcomes, Exception) and not shared:
+            outcomes = [await self._alone(item) for item in items]
+        if isinstance(outcomes, Exception):
+            outcomes = [outcomes] * len(items)
         for (_, done), outcome in zip(batch, outcomes, strict=True):
             if done.done():
                 continue  # the caller was cancelled meanwhile
@@ -60,3 +72,17 @@ class LoopBatcher(Generic[Item, Result]):
                 done.set_exception(outcome)
             else:
                 done.set_result(outcome)
+
+    async def _outcomes(self, items: list[Item]) -> Sequence[Result | Exception] | Exception:
+        """One outcome per item, or the exception that failed the whole call."""
+        try:
+            outcomes = await self._handle(items)
+        except Exception as exc:
+            return exc
+        if len(outcomes) != len(items):  # a bug in the handler: fail the batch, never hang it
+            return RuntimeError(f"{len(outcomes)} outcomes for a batch of {len(items)}")
+        return outcomes
+
+    async def _alone(self, item: Item) -> Result | Exception:
+        outcomes = await self._outcomes([item])
+        return outcomes if isinstance(outcomes, Exception) else outcomes[0]

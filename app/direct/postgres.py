@@ -139,16 +139,21 @@ async def _keep_session(_connection: asyncpg.Connection[Any]) -> None:
     """Pool reset hook: nothing to undo (see the module docstring)."""
 
 
+SHARED = (StoreUnavailable,)  # the pool or server failed: no item's fault, so no retries
+
+
 class PostgresStore:
     def __init__(self, dsn: str, *, pool_size: int) -> None:
         self._dsn = dsn
         self._pool_size = pool_size
         self._pool: asyncpg.Pool[Any] | None = None
         self._opening = asyncio.Lock()
-        self._connection_reads = LoopBatcher(self._find_connections)
-        self._flow_inserts = LoopBatcher(self._insert_flows)
-        self._flow_reads = LoopBatcher(self._get_flows_and_connections)
-        self._service_reads = LoopBatcher(self._find_services_and_own_connections)
+        self._connection_reads = LoopBatcher(self._find_connections, shared_failures=SHARED)
+        self._flow_inserts = LoopBatcher(self._insert_flows, shared_failures=SHARED)
+        self._flow_reads = LoopBatcher(self._get_flows_and_connections, shared_failures=SHARED)
+        self._service_reads = LoopBatcher(
+            self._find_services_and_own_connections, shared_failures=SHARED
+        )
 
     async def _get_pool(self) -> asyncpg.Pool[Any]:
         if self._pool is None:

@@ -178,8 +178,12 @@ class SqliteStore:
     def __init__(self, path: str) -> None:
         self._path = path
         self._loop_connection: sqlite3.Connection | None = None
-        self._reads: LoopBatcher[_Statement, Any] = LoopBatcher(self._read_batch)
-        self._writes: LoopBatcher[_Statement, int] = LoopBatcher(self._commit)
+        self._reads: LoopBatcher[_Statement, Any] = LoopBatcher(
+            self._read_batch, shared_failures=(StoreUnavailable,)
+        )
+        self._writes: LoopBatcher[_Statement, int] = LoopBatcher(
+            self._commit, shared_failures=(StoreUnavailable,)
+        )
         self._checkpoint: asyncio.TimerHandle | None = None
         self._checkpoints: set[asyncio.Task[None]] = set()
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-wait")
