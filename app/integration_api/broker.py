@@ -27,6 +27,7 @@ from app.mcp.protocol import JsonRpcError
 from app.models import FlowStatus
 from app.providers.settings import OAuthProviderSettings
 from app.runtime import Runtime
+from app.storable import StorableText
 
 METHOD = "api/connections.require"
 
@@ -48,10 +49,10 @@ class InvalidInputResponse(BrokerError):
 class UserRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    issuer: str = Field(
+    issuer: StorableText = Field(
         min_length=1, max_length=255, description="the `iss` of the user's MCP access token"
     )
-    subject: str = Field(
+    subject: StorableText = Field(
         min_length=1, max_length=255, description="the user's identity claim (`sub`)"
     )
 
@@ -60,12 +61,12 @@ class RequireRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     user: UserRef
-    scopes: list[str] = Field(default_factory=list, max_length=50)
+    scopes: list[StorableText] = Field(default_factory=list, max_length=50)
     client_capabilities: dict[str, Any] = Field(
         default_factory=dict, description="the MCP client's clientCapabilities of this request"
     )
-    client_name: str | None = Field(default=None, max_length=255)
-    request_digest: str = Field(
+    client_name: StorableText | None = Field(default=None, max_length=255)
+    request_digest: StorableText = Field(
         default="", max_length=128, description="a digest of the sibling's tool call"
     )
 

@@ -3,10 +3,11 @@ per-request machinery (routing, dependency solving, response-model validation: m
 such a request costs).
 
 Only well-formed requests come here: exactly the `issuer` and `subject` query parameters, each
-1-255 characters. Everything else (a missing or extra parameter, any other method) goes to the
-FastAPI route, which answers it the documented way (422 problem JSON and so on). Both give the
-same responses: this path runs the route's own function (`credential_for`), having read the
-service and its own connection for the user in one statement.
+1-255 characters of storable text (app/storable.py). Everything else (a missing or extra
+parameter, any other method) goes to the FastAPI route, which answers it the documented way
+(422 problem JSON and so on). Both give the same responses: this path runs the route's own
+function (`credential_for`), having read the service and its own connection for the user in one
+statement.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from app.json_message import JsonMessage
 from app.limits import client_key
 from app.middleware import first_header
 from app.runtime import Runtime
+from app.storable import unstorable_reason
 
 PREFIX = "/api/v1/credentials/"
 ROUTE = PREFIX + "{provider}"  # the FastAPI route's template, as metrics name it
@@ -55,6 +57,8 @@ def user_query(scope: Scope) -> tuple[str, str] | None:
     issuer, subject = values["issuer"], values["subject"]
     if not (0 < len(issuer) <= MAX_QUERY_VALUE and 0 < len(subject) <= MAX_QUERY_VALUE):
         return None
+    if unstorable_reason(issuer) or unstorable_reason(subject):
+        return None  # the route authenticates the secret alone, then refuses the value
     return issuer, subject
 
 

@@ -50,6 +50,7 @@ from app.integration_api.problems import (
 from app.integration_api.services import Service
 from app.limits import client_key
 from app.runtime import Runtime
+from app.storable import StorableText
 
 router = APIRouter(
     prefix="/api/v1",
@@ -62,9 +63,12 @@ service_secret = HTTPBearer(
     scheme_name="ServiceSecret",
     description="The secret `connect-broker service create` printed (`cbs_…`).",
 )
-UserIssuer = Annotated[str, Query(min_length=1, max_length=255, description="the user's `iss`")]
+UserIssuer = Annotated[
+    StorableText, Query(min_length=1, max_length=255, description="the user's `iss`")
+]
 UserSubject = Annotated[
-    str, Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)")
+    StorableText,
+    Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)"),
 ]
 
 

@@ -65,6 +65,8 @@ def scope(path: str, query: bytes, method: str = "GET") -> dict[str, Any]:
         ("/api/v1/credentials/demo", b"issuer=i&subject", "GET", False),
         ("/api/v1/credentials/", b"issuer=i&subject=alice", "GET", False),
         ("/api/v1/credentials/demo/x", b"issuer=i&subject=alice", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i&subject=al%00ice", "GET", False),
+        ("/api/v1/credentials/demo", b"issuer=i%00&subject=alice", "GET", False),
     ],
 )
 def test_only_well_formed_fetches_take_the_fast_path(
@@ -152,6 +154,32 @@ async def test_fast_path_and_fastapi_route_give_the_same_answers(
         same_answer(*await both_ways(http, "demo", user, limited.secret), 403)
         other = {"issuer": "https://evil.example", "subject": user["subject"]}
         same_answer(*await both_ways(http, "demo", other, api.secret), 400)
+
+
+async def test_a_value_the_database_refuses_is_answered_before_any_statement(
+    broker: BrokerProcess, api: ServiceApi, idp: IdpProcess
+) -> None:
+    """A NUL in the subject never reaches a statement: with a wrong secret it is an ordinary
+    failed authentication (401), with the right one a 422 naming the parameter; never a
+    database error (503) nor an ERROR in the log."""
+    logged_before = len(broker.log())
+    user = {"issuer": idp.issuer, "subject": "kim\x00"}
+    async with httpx2.AsyncClient(
+        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
+    ) as http:
+        fast, routed = await both_ways(http, "demo", user, "cbs_not-a-secret")
+        same_answer(fast, routed, 401)
+        fast, routed = await both_ways(http, "demo", user, api.secret)
+        same_answer(fast, routed, 422)
+        assert [error["loc"] for error in fast.json()["errors"]] == [["query", "subject"]]
+        assert "NUL" in fast.json()["errors"][0]["msg"]
+        required = await http.post(
+            "/connections/demo/require",
+            json={"user": user, "client_name": "ok"},
+            headers={"Authorization": f"Bearer {api.secret}"},
+        )
+        assert required.status_code == 422, required.text
+    assert " ERROR " not in broker.log()[logged_before:]
 
 
 async def test_an_oauth_credential_carries_its_expiry_both_ways(
