@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
 from app.connect.refresh import KnownRows, usable_credential
+from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowView, TooManyOpenFlows
-from app.connect.wait import wait_for_flow
 from app.credentials import Credential
 from app.errors import BrokerError
 from app.integration_api.services import Service
@@ -294,19 +294,13 @@ async def resume_connection(
     if payload.flow_id is None:
         raise InvalidRequestState()
     action = (body.input_response or {}).get("action")
-    if action in ("decline", "cancel"):
-        status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
-        async with runtime.sessionmaker.begin() as session:
-            await flows.end_by_client(
-                session, flow_id=payload.flow_id, principal=principal, status=status
-            )
-        return ConnectOutcome(status=status)
-    if action not in (None, "accept"):
+    if action is not None and action not in ACTIONS:
         raise InvalidInputResponse()
-    wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-    read = await wait_for_flow(runtime, payload.flow_id, principal, wait)
-    flow = read.flow if read is not None else None
-    if read is not None and read.flow.is_done:
+    outcome = await resume_round(
+        runtime, flow_id=payload.flow_id, principal=principal, action=action
+    )
+    if outcome.done is not None:
+        read = outcome.done
         if read.flow.status == FlowStatus.completed:  # a repeated retry: consumed already
             async with runtime.sessionmaker.begin() as session:
                 await flows.mark_consumed(session, flow_id=read.flow.id, principal=principal)
@@ -315,9 +309,6 @@ async def resume_connection(
         if found is not None:
             return ConnectOutcome(status="connected", credential=found.view())
         return await require_connection(runtime, service, provider, principal, body)
-    if flow is not None and flow.is_open:
-        return _elicit(runtime, service, flow, body)
-    outcome = flow.outcome if flow is not None else FlowStatus.expired
-    if outcome not in ("declined", "cancelled", "failed"):
-        outcome = "expired"
-    return ConnectOutcome(status=outcome)
+    if outcome.open is not None:
+        return _elicit(runtime, service, outcome.open, body)
+    return ConnectOutcome(status=outcome.ended or FlowStatus.expired)

@@ -15,8 +15,8 @@ from typing import Any
 from app.auth.principal import McpCaller
 from app.connect import service as flows
 from app.connect.refresh import KnownRows, usable_credential
+from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
-from app.connect.wait import wait_for_flow
 from app.credentials import Credential
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
@@ -32,7 +32,6 @@ from app.models import BROKER_AUDIENCE, FlowStatus
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.runtime import Runtime
 
-ACTIONS = ("accept", "decline", "cancel")
 CAPABILITY_FOR_METHOD = {
     "elicitation/create": "elicitation",
     "sampling/createMessage": "sampling",
@@ -231,26 +230,14 @@ class CallToolRound:
         action = response.get("action") if isinstance(response, dict) else None
         if response is not None and action not in ACTIONS:
             raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
-        if action in ("decline", "cancel"):
-            status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
-            async with self.runtime.sessionmaker.begin() as session:
-                ended = await flows.end_by_client(
-                    session, flow_id=flow_id, principal=principal, status=status
-                )
-            read = await flows.read_for(self.runtime.direct, flow_id=flow_id, principal=principal)
-            if read is not None and read.flow.is_done and not ended:
-                return read
-            return self._ended(read.flow if read else None, status)
-        # accept (or no answer at all): wait for the browser side, bounded.
-        timeout = self.runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-        read = await wait_for_flow(self.runtime, flow_id, self.caller.principal, timeout)
-        if read is None:
-            return self._ended(None, FlowStatus.expired)
-        if read.flow.is_done:
-            return read
-        if read.flow.is_open:
-            return self._elicit(read.flow)
-        return self._ended(read.flow, read.flow.outcome)
+        outcome = await resume_round(
+            self.runtime, flow_id=flow_id, principal=principal, action=action
+        )
+        if outcome.done is not None:
+            return outcome.done
+        if outcome.open is not None:
+            return self._elicit(outcome.open)
+        return self._ended(outcome.flow, outcome.ended or FlowStatus.expired)
 
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
         provider = self.runtime.settings.providers.get(flow.provider) if flow else None

@@ -644,6 +644,23 @@ async def test_resume_decline_or_cancel_ends_the_flow(
     assert await count_rows(db, "connections", subject=user["subject"]) == 0
 
 
+@pytest.mark.parametrize("action", ["decline", "cancel"])
+async def test_resume_decline_after_the_user_connected_returns_the_credential(
+    action: str, api: ServiceApi, browser: Browser, user_of: Any, db: AsyncEngine
+) -> None:
+    """The user finished in the browser before the client's decline or cancel arrived: the
+    connection exists, so the outcome is `connected`, as `/mcp` answers the same race
+    (tests/mcp/test_retry.py); the flow is consumed, not declined."""
+    user = user_of(f"late-{action}")
+    first, flow_id = input_required(await api.require("demo", user))
+    await submit_api_key(browser, user["subject"], flow_id)
+
+    late = connected(await api.resume("demo", user, first["requestState"], {"action": action}))
+
+    assert late["secret"] == API_KEY
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+
+
 async def test_resume_of_an_expired_flow_is_expired(
     api: ServiceApi, user_of: Any, db: AsyncEngine
 ) -> None:

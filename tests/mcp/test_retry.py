@@ -507,6 +507,26 @@ async def test_c8_decline_or_cancel_ends_the_flow_with_an_error_result(
     assert await count_rows(db, "connections", subject=user) == 0
 
 
+@pytest.mark.parametrize("action", ["decline", "cancel"])
+async def test_a_decline_after_the_user_connected_gives_the_final_result(
+    action: str, mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
+) -> None:
+    """The user finished in the browser before the client's decline or cancel arrived: the
+    connection exists, so the retry gets the tool's final result, as the integration API
+    answers the same race (tests/integration_api/test_api.py); the flow is consumed."""
+    user = fresh_user(f"late-{action}")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+    await finish_in_browser(browser, user, flow_id)
+
+    response = await retry(mcp, token, result["requestState"], action=action)
+
+    final = tool_result(response)
+    assert final.get("isError") is not True
+    assert final["structuredContent"]["status"] == "connected"
+    assert (await flow_row(db, flow_id) or {})["status"] == "consumed"
+
+
 async def test_c9_retrying_a_completed_round_twice_gives_the_same_result(
     mcp: McpHttp, token_for: Any, browser: Browser, db: AsyncEngine
 ) -> None:

@@ -1,0 +1,63 @@
+"""The client's answer to a connect round, decided once for every surface.
+
+A retry brings the client's `action` for the URL elicitation (accept, decline, cancel, or none).
+`/mcp` and the integration API each translate the `RoundOutcome` to their own wire format; what
+the outcome is lives only here. In particular, when the user finished in the browser before the
+client's decline or cancel arrived, the flow is done and the outcome says so on both surfaces:
+the connection exists, and the client gets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from app.auth.principal import Principal
+from app.connect import service as flows
+from app.connect.service import FlowRead, FlowView
+from app.connect.wait import wait_for_flow
+from app.models import FlowStatus
+from app.runtime import Runtime
+
+ACTIONS = ("accept", "decline", "cancel")
+Action = Literal["accept", "decline", "cancel"]
+ENDED_STATUSES = (FlowStatus.declined, FlowStatus.cancelled, FlowStatus.failed)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    """Exactly one of: `done` (the flow completed: its read, with the connection), `open` (still
+    waiting for the browser: elicit the same URL again), or `ended` (declined, cancelled,
+    failed or expired; `flow` is None when no flow is found for the caller any more)."""
+
+    done: FlowRead | None = None
+    open: FlowView | None = None
+    ended: str | None = None
+    flow: FlowView | None = None
+
+
+async def resume_round(
+    runtime: Runtime, *, flow_id: str, principal: Principal, action: Action | None
+) -> RoundOutcome:
+    """Settle the client's answer for flow `flow_id`: a decline or cancel ends a flow that is
+    still open; an accept waits (bounded) for the browser side; no answer only looks."""
+    if action in ("decline", "cancel"):
+        status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
+        async with runtime.sessionmaker.begin() as session:
+            await flows.end_by_client(session, flow_id=flow_id, principal=principal, status=status)
+        read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+        if read is not None and read.flow.is_done:
+            return RoundOutcome(done=read)  # the browser won the race: the user did connect
+        return RoundOutcome(ended=status, flow=read.flow if read else None)
+    wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
+    read = await wait_for_flow(runtime, flow_id, principal, wait)
+    if read is None:
+        return RoundOutcome(ended=FlowStatus.expired)
+    if read.flow.is_done:
+        return RoundOutcome(done=read)
+    if read.flow.is_open:
+        return RoundOutcome(open=read.flow)
+    outcome = read.flow.outcome
+    return RoundOutcome(
+        ended=outcome if outcome in ENDED_STATUSES else FlowStatus.expired, flow=read.flow
+    )
