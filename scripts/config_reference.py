@@ -81,7 +81,8 @@ MEANINGS: dict[str, str] = {
     "server.metrics_token": "bearer token (32+ characters) a scrape of `/metrics` must present; "
     "unset, `/metrics` answers 404",
     "database.url": "`sqlite:///path` or `postgresql://user@host/db`; the driver is picked for you",
-    "database.pool_size": "database connections per process (as many again as overflow)",
+    "database.pool_size": "database connections per process: this many (and as many again as "
+    "overflow) for SQLAlchemy, and on PostgreSQL up to this many for the hot-path statements",
     "identity.issuer": "required by `serve`: the OpenID provider whose JWT access tokens `/mcp` "
     "accepts (discovery and JWKS)",
     "identity.audience": "required `aud` of access tokens; empty means `<public_url>/mcp`",
