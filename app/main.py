@@ -195,6 +195,7 @@ def create_app(
         openapi_url="/api/v1/openapi.json",
     )
     app.state.runtime = runtime
+    app.state.development = dev_idp is not None  # every page then shows the development banner
     for path in (
         "/.well-known/oauth-protected-resource",
         "/.well-known/oauth-protected-resource/mcp",
