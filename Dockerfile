@@ -3,7 +3,6 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app ./app
-COPY connect_broker_client ./connect_broker_client
 COPY templates ./templates
 COPY migrations ./migrations
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
