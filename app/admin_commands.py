@@ -37,10 +37,10 @@ def _with_session(settings: Settings, work: Any) -> Any:
     from app.db import create_engine, create_sessionmaker
     from app.migrate import require_current
 
-    require_current(settings.database.url)
+    require_current(settings.database.connect_url())
 
     async def run() -> Any:
-        engine = create_engine(settings.database.url, pool_size=1)
+        engine = create_engine(settings.database.connect_url(), pool_size=1)
         try:
             async with create_sessionmaker(engine).begin() as session:
                 return await work(session)

@@ -122,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app.migrate import require_current
 
     settings = load_serve_settings(args.config)
-    require_current(settings.database.url)
+    require_current(settings.database.connect_url())
     configure_logging()
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
@@ -151,7 +151,7 @@ def _migrate(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = load_settings(config_path(args.config))
-    upgrade(settings.database.url)
+    upgrade(settings.database.connect_url())
     print("database schema is current")
     return 0
 
