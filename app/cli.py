@@ -179,8 +179,9 @@ def _dev(args: argparse.Namespace) -> int:
     from app.main import create_app
     from app.migrate import upgrade
 
-    listener = _loopback_listener(args.port)  # before anything is written: a busy port changes
-    if listener is None:  # nothing
+    # The port first, before anything is written: on a busy port the data directory stays as it is
+    listener = _loopback_listener(args.port)
+    if listener is None:
         print(
             f"connect-broker dev: port {args.port} on 127.0.0.1 is in use; stop what is "
             "listening there or choose another with --port",
