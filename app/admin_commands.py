@@ -21,6 +21,15 @@ def keys_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_settings(args: argparse.Namespace) -> Settings:
+    """The dev playground's settings when `--data-dir` is given, else the configured broker's."""
+    if args.data_dir is not None:
+        from app.devmode import playground_settings
+
+        return playground_settings(args.data_dir)
+    return load_serve_settings(args.config)
+
+
 def _with_session(settings: Settings, work: Any) -> Any:
     """Run `work(session)` in one committed transaction against the configured database."""
     import asyncio
@@ -28,10 +37,10 @@ def _with_session(settings: Settings, work: Any) -> Any:
     from app.db import create_engine, create_sessionmaker
     from app.migrate import require_current
 
-    require_current(settings.database.url)
+    require_current(settings.database.connect_url())
 
     async def run() -> Any:
-        engine = create_engine(settings.database.url, pool_size=1)
+        engine = create_engine(settings.database.connect_url(), pool_size=1)
         try:
             async with create_sessionmaker(engine).begin() as session:
                 return await work(session)
@@ -60,7 +69,7 @@ def service_create(args: argparse.Namespace) -> int:
             f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "
             "starting with a letter; 'mcp' is reserved for the broker itself)",
         )
-    settings = load_serve_settings(args.config)
+    settings = _service_settings(args)
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     unknown = [p for p in providers if p not in settings.providers]
     if unknown:
@@ -92,7 +101,7 @@ def service_create(args: argparse.Namespace) -> int:
 def service_list(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    for row in _with_session(load_serve_settings(args.config), services.list_all):
+    for row in _with_session(_service_settings(args), services.list_all):
         state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
         print(f"{row.name}\t{row.providers or '*'}\t{state}")
     return 0
@@ -102,7 +111,7 @@ def service_revoke(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
     done = _with_session(
-        load_serve_settings(args.config), lambda session: services.revoke(session, name=args.name)
+        _service_settings(args), lambda session: services.revoke(session, name=args.name)
     )
     print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
     return 0 if done else 1

@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import secrets
+import socket
 import sys
+from pathlib import Path
 
 from app import admin_commands as admin
 from app import devmode
@@ -45,10 +47,17 @@ def _parser() -> argparse.ArgumentParser:
 
     dev = commands.add_parser("dev", help="loopback playground with a development IdP")
     dev.add_argument("--port", type=int, default=8000)
+    dev.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        help="TOML file whose [providers.*] and [services.*] join the playground",
+    )
+    _data_dir_option(dev, devmode.DEFAULT_DATA_DIR)
     dev.set_defaults(handler=_dev)
 
     token = commands.add_parser("dev-token", help="print a bearer token for the dev playground")
     token.add_argument("user")
+    _data_dir_option(token, devmode.DEFAULT_DATA_DIR)
     token.set_defaults(handler=_dev_token)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
@@ -71,11 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     create = service_commands.add_parser("create", help="register a service; prints its secret")
     create.add_argument("name")
     create.add_argument("--providers", default="", help="comma-separated; default: all")
+    _data_dir_option(create, None)
     create.set_defaults(handler=admin.service_create)
     listing = service_commands.add_parser("list", help="list registered services")
+    _data_dir_option(listing, None)
     listing.set_defaults(handler=admin.service_list)
     revoke = service_commands.add_parser("revoke", help="revoke a service's secret")
     revoke.add_argument("name")
+    _data_dir_option(revoke, None)
     revoke.set_defaults(handler=admin.service_revoke)
 
     pending = commands.add_parser(
@@ -91,6 +103,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _data_dir_option(command: argparse.ArgumentParser, default: Path | None) -> None:
+    """`--data-dir`: the `dev` playground's directory; a service command given it works on the
+    playground instead of the configured broker."""
+    command.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default,
+        help="the dev playground's data directory"
+        + (f" (default: ./{default})" if default else "; `connect-broker dev` prints it"),
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -98,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app.migrate import require_current
 
     settings = load_serve_settings(args.config)
-    require_current(settings.database.url)
+    require_current(settings.database.connect_url())
     configure_logging()
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
@@ -127,7 +151,7 @@ def _migrate(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = load_settings(config_path(args.config))
-    upgrade(settings.database.url)
+    upgrade(settings.database.connect_url())
     print("database schema is current")
     return 0
 
@@ -155,30 +179,52 @@ def _dev(args: argparse.Namespace) -> int:
     from app.main import create_app
     from app.migrate import upgrade
 
-    state = devmode.dev_state(args.port)
-    settings = devmode.dev_settings(state)
-    upgrade(settings.database.url)
-    idp = devmode.dev_idp(settings, state)
-    configure_logging()
-    token = idp.mint("alice")
-    print(devmode.dev_banner(settings, token), flush=True)
-    app = create_app(settings, dev_idp=idp)
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=args.port,
-        access_log=False,
-        log_config=None,
-        server_header=False,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-    )
+    # The port first, before anything is written: on a busy port the data directory stays as it is
+    listener = _loopback_listener(args.port)
+    if listener is None:
+        print(
+            f"connect-broker dev: port {args.port} on 127.0.0.1 is in use; stop what is "
+            "listening there or choose another with --port",
+            file=sys.stderr,
+        )
+        return 1
+    with listener:
+        state = devmode.new_state(args.data_dir, args.port, getattr(args, "config", None))
+        settings = devmode.dev_settings(args.data_dir, state)
+        devmode.save_state(args.data_dir, state)
+        upgrade(settings.database.url)
+        idp = devmode.dev_idp(args.data_dir, settings, state)
+        configure_logging()
+        token = idp.mint("alice")
+        print(devmode.dev_banner(settings, token, args.data_dir), flush=True)
+        app = create_app(settings, dev_idp=idp)
+        config = uvicorn.Config(
+            app,
+            access_log=False,
+            log_config=None,
+            server_header=False,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
+        uvicorn.Server(config).run(sockets=[listener])
     return 0
 
 
+def _loopback_listener(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:`port`, or None when the port is taken."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", port))
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
 def _dev_token(args: argparse.Namespace) -> int:
-    state = devmode.dev_state(None)
-    settings = devmode.dev_settings(state)
-    print(devmode.dev_idp(settings, state).mint(args.user))
+    state = devmode.saved_state(args.data_dir)
+    settings = devmode.dev_settings(args.data_dir, state)
+    print(devmode.dev_idp(args.data_dir, settings, state).mint(args.user))
     return 0
 
 

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from app.config_sources import SECTIONS, read_raw
 from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
@@ -70,6 +78,37 @@ class ServerSettings(_Section):
 class DatabaseSettings(_Section):
     url: str = "sqlite:///./data/broker.db"
     pool_size: int = Field(default=10, ge=1, le=100)
+    # PostgreSQL's password, kept out of `url` (e.g. from `password_file`, a mounted secret)
+    password: SecretStr | None = None
+
+    @field_validator("password")
+    @classmethod
+    def _password(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if value is None or "url" not in info.data:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        if not value.get_secret_value():
+            raise ValueError("is empty")
+        try:
+            parsed = make_url(info.data["url"])
+        except ArgumentError:
+            raise ValueError("database.url is not a database URL") from None
+        if parsed.get_backend_name() not in ("postgresql", "postgres"):
+            raise ValueError("only for a postgresql:// database.url")
+        if parsed.password is not None:
+            raise ValueError("database.url carries a password already; keep it in one place")
+        return value
+
+    def connect_url(self) -> str:
+        """`url` with `password` merged in, for opening connections (never for display)."""
+        if self.password is None:
+            return self.url
+        from sqlalchemy.engine import make_url
+
+        merged = make_url(self.url).set(password=self.password.get_secret_value())
+        return merged.render_as_string(hide_password=False)
 
 
 class IdentitySettings(_Section):

@@ -61,7 +61,7 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
     """Everything the process shares; nothing here does I/O yet."""
     signing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
     sealing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
-    engine = create_engine(settings.database.url, pool_size=settings.database.pool_size)
+    engine = create_engine(settings.database.connect_url(), pool_size=settings.database.pool_size)
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(10.0, connect=3.0),
         follow_redirects=False,
@@ -72,13 +72,15 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
     notifier: FlowNotifier = (
         FlowNotifier(poll_interval=0.25)
         if is_sqlite(settings.database.url)
-        else PostgresFlowNotifier(settings.database.url)
+        else PostgresFlowNotifier(settings.database.connect_url())
     )
     return Runtime(
         settings=settings,
         engine=engine,
         sessionmaker=create_sessionmaker(engine),
-        direct=open_direct_store(settings.database.url, pool_size=settings.database.pool_size),
+        direct=open_direct_store(
+            settings.database.connect_url(), pool_size=settings.database.pool_size
+        ),
         signing_keys=signing,
         sealing_keys=sealing,
         issuer=issuer,
@@ -195,6 +197,7 @@ def create_app(
         openapi_url="/api/v1/openapi.json",
     )
     app.state.runtime = runtime
+    app.state.development = dev_idp is not None  # every page then shows the development banner
     for path in (
         "/.well-known/oauth-protected-resource",
         "/.well-known/oauth-protected-resource/mcp",

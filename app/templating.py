@@ -34,6 +34,12 @@ def html_security_headers(form_action_origins: tuple[str, ...] = ()) -> dict[str
     }
 
 
+def is_development(request: Request) -> bool:
+    """Whether the page is served by the `dev` playground (base.html then shows its banner)."""
+    app = request.scope.get("app")
+    return bool(getattr(getattr(app, "state", None), "development", False))
+
+
 def render(
     request: Request,
     name: str,
@@ -47,6 +53,7 @@ def render(
     body = template.render(
         request_id=getattr(request.state, "request_id", ""),
         stylesheet="/static/broker.css",
+        development=is_development(request),
         **context,
     )
     return HTMLResponse(

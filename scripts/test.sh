@@ -13,7 +13,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+python3 -m pip install -q --disable-pip-version-check -e ".[test]" -e ./clients/python
 npm ci --prefix tests/idp --no-audit --no-fund --loglevel=error
 npm ci --prefix tests/conformance --no-audit --no-fund --loglevel=error
 

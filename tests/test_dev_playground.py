@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,47 +13,19 @@ import pytest
 from .support.broker import BrokerProcess
 from .support.clients import Browser, McpHttp, flow_id_from
 from .support.idp import free_port
+from .support.playground import cli, running_dev
 
 
 @pytest.fixture(scope="module")
 def playground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     cwd = tmp_path_factory.mktemp("dev")
-    port = free_port()
-    log = (cwd / "dev.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "dev", "--port", str(port)],
-        cwd=cwd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx2.HTTPError):
-                if httpx2.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError((cwd / "dev.log").read_text())
+    with running_dev(cwd, free_port()) as (url, _log):
         yield url, cwd
-    finally:
-        process.terminate()
-        process.wait(10)
-        log.close()
 
 
 def dev_token(cwd: Path, user: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "dev-token", user],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-    )
+    result = cli(cwd, "dev-token", user)
+    assert result.returncode == 0, result.stderr
     return result.stdout
 
 
