@@ -26,7 +26,7 @@ def _with_session(settings: Settings, work: Any) -> Any:
     import asyncio
 
     from app.db import create_engine, create_sessionmaker
-    from app.migrate import require_current
+    from app.migrate import require_current, translated_errors
 
     require_current(settings.database.url)
 
@@ -38,7 +38,8 @@ def _with_session(settings: Settings, work: Any) -> Any:
         finally:
             await engine.dispose()
 
-    return asyncio.run(run())
+    with translated_errors(settings.database.url):
+        return asyncio.run(run())
 
 
 def _service_usage_error(argument: str, message: str) -> int:

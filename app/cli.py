@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import secrets
+import socket
 import sys
 
 from app import admin_commands as admin
@@ -13,6 +14,7 @@ from app import devmode
 from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
 from app.logsetup import configure_logging
+from app.migrate import DatabaseUnreachable
 
 # How long an idle HTTP connection stays open. uvicorn's default (5 s) equals httpx's default
 # keep-alive expiry, the client of the official MCP Python SDK: a call made about 5 s after the
@@ -29,7 +31,32 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    except (CommandFailed, DatabaseUnreachable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return result
+
+
+class CommandFailed(Exception):
+    """An expected failure of a command; the message says what happened and what to do."""
+
+
+def _require_free_port(host: str, port: int) -> None:
+    """Fail in one line, before starting, when `host:port` cannot be listened on.
+
+    Raises:
+        CommandFailed: the port is taken or not ours to use.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise CommandFailed(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what is using it "
+            "or choose another --port/--host"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = load_serve_settings(args.config)
     require_current(settings.database.url)
+    _require_free_port(args.host, args.port)
     configure_logging()
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
@@ -127,16 +155,23 @@ def _migrate(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = load_settings(config_path(args.config))
-    upgrade(settings.database.url)
-    print("database schema is current")
+    print(upgrade(settings.database.url))
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    settings = load_serve_settings(args.config)
+    from app.config_check import check
+
+    report = check(config_path(args.config), os.environ)
+    for problem in report.problems:
+        print(f"configuration error: {problem}", file=sys.stderr)
+    if report.settings is None:
+        return 2
+    settings = report.settings
     print(
         f"configuration OK ({settings.source}): public_url {settings.public_url}, "
-        f"issuer {settings.identity.issuer}, {len(settings.providers)} provider(s)"
+        f"issuer {settings.identity.issuer} answers, database schema current, "
+        f"{len(settings.providers)} provider(s)"
     )
     return 0
 
