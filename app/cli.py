@@ -34,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandFailed, DatabaseUnreachable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a file or directory the command needs: the environment, not a bug
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(
+            f"error: {where}{exc.strerror or exc}; check the path and its permissions",
+            file=sys.stderr,
+        )
+        return 1
     return result
 
 

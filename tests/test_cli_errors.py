@@ -3,7 +3,10 @@ happened and what to do, a non-zero exit code, never a traceback; `migrate` says
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from app.migrate import alembic_config
 
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.idp import free_port
+
+ROOT = Path(__file__).resolve().parents[1]  # this checkout's `app`, whatever the working directory
 
 
 @pytest.fixture
@@ -152,3 +157,21 @@ def test_an_unreadable_config_file_is_one_line(args: tuple[str, ...], tmp_path: 
         f"configuration error: cannot read config file {missing}: No such file or directory "
         "(give the right path with --config or BROKER_CONFIG)\n"
     )
+
+
+def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
+    """`dev-token` keeps the playground's state under ./data; here ./data is a file."""
+    (tmp_path / "data").write_text("")
+
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "dev-token", "alice"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 1
+    assert result.stderr == "error: data: File exists; check the path and its permissions\n"
