@@ -44,6 +44,7 @@ def upgrade(url: str) -> str:
     """
     before = current_revision(url)
     head = head_revision(url)
+    _require_known(url, before)
     if before == head:
         return f"database schema already current at revision {head}"
     with translated_errors(url):
@@ -75,6 +76,7 @@ def schema_problem(url: str) -> str | None:
     current, head = current_revision(url), head_revision(url)
     if current == head:
         return None
+    _require_known(url, current)
     if current is None:
         return "the database has no schema yet; run `connect-broker migrate`"
     return (
@@ -86,6 +88,27 @@ def schema_problem(url: str) -> str | None:
 def is_current(url: str) -> bool:
     """True when the database at `url` is at the newest revision."""
     return current_revision(url) == head_revision(url)
+
+
+def _require_known(url: str, revision: str | None) -> None:
+    """Refuse a database at a revision this version does not ship (a newer version's).
+
+    Raises:
+        ConfigError: saying which revision and what to run.
+    """
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    if revision is None:
+        return
+    try:
+        ScriptDirectory.from_config(alembic_config(url)).get_revision(revision)
+    except CommandError:
+        raise ConfigError(
+            f"database.url: the database is at schema revision {revision!r:.40}, which this "
+            "version of connect-broker does not know (a newer version migrated it?); run that "
+            "version, or upgrade this one"
+        ) from None
 
 
 def head_revision(url: str) -> str:

@@ -3,6 +3,7 @@ happened and what to do, a non-zero exit code, never a traceback; `migrate` says
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
+from sqlalchemy import text
 
+from app.db import create_engine
 from app.migrate import alembic_config
 
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
@@ -175,3 +178,27 @@ def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
 
     assert result.returncode == 1
     assert result.stderr == "error: data: File exists; check the path and its permissions\n"
+
+
+@pytest.mark.parametrize("command_name", ["migrate", "serve"])
+def test_a_schema_from_a_newer_version_is_named(
+    command_name: str, tmp_path: Path, database: str
+) -> None:
+    path = config_file(tmp_path, database)
+    assert cli("migrate", config_path=path).returncode == 0
+
+    async def stamp_unknown() -> None:
+        engine = create_engine(database, pool_size=1)
+        async with engine.begin() as connection:
+            await connection.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed'"))
+        await engine.dispose()
+
+    asyncio.run(stamp_unknown())
+    result = cli(command_name, config_path=path)
+
+    assert result.returncode == 2
+    assert result.stderr == (
+        "configuration error: database.url: the database is at schema revision 'f00dfeed', "
+        "which this version of connect-broker does not know (a newer version migrated it?); "
+        "run that version, or upgrade this one\n"
+    )
