@@ -21,6 +21,7 @@ from joserfc.jwk import KeySet
 from app.auth.jwks import MAX_DOCUMENT_BYTES
 from app.config import (
     MODELS,
+    TABLES,
     Problem,
     Settings,
     serve_problems,
@@ -28,6 +29,7 @@ from app.config import (
 )
 from app.config_sources import ConfigError, env_variable, read_raw
 from app.migrate import DatabaseUnreachable, schema_problem, url_problem
+from app.providers.settings import OAuthProviderSettings
 
 IDP_TIMEOUT_SECONDS = 5
 
@@ -45,18 +47,23 @@ def check(path: Path | None, environ: Mapping[str, str]) -> Report:
     except ConfigError as exc:
         return Report(None, [str(exc)])
     parsed, found = validate_all(raw)
-    failed = {key.split(".", 1)[0] for key, _ in found}
+    failed = {_owner(key) for key, _ in found}
     defaults: dict[str, Any] = {name: model() for name, model in MODELS.items()}
     settings = Settings(source=str(path) if path else "defaults", **{**defaults, **parsed})
-    found += [p for p in serve_problems(settings) if p[0].split(".", 1)[0] not in failed]
-    if "identity" not in failed:
-        found += _secret_problems(settings)
+    more = serve_problems(settings) + _secret_problems(settings)
+    found += [problem for problem in more if _owner(problem[0]) not in failed]
     if "database" not in failed:
         found += _database_problems(settings.database.url)
     if "identity" not in failed and not any(key == "identity.issuer" for key, _ in found):
         found += asyncio.run(_idp_problems(settings.identity.issuer))
     problems = [f"{_origin(key, message, path, environ)}: {message}" for key, message in found]
     return Report(None if problems else settings, problems)
+
+
+def _owner(key: str) -> str:
+    """The section, or provider or service table, that `key` belongs to."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if parts[0] in TABLES else parts[0]
 
 
 def _origin(key: str, message: str, path: Path | None, environ: Mapping[str, str]) -> str:
@@ -71,16 +78,31 @@ def _origin(key: str, message: str, path: Path | None, environ: Mapping[str, str
 
 
 def _secret_problems(settings: Settings) -> list[Problem]:
+    """Secrets that `serve` accepts missing, but that a sign-in or a connection needs."""
+    problems: list[Problem] = []
     identity = settings.identity
     if identity.login_client_id and not identity.login_client_secret.get_secret_value():
-        return [
+        problems.append(
             (
                 "identity.login_client_secret",
                 "required: the secret the IdP issued for login_client_id (without it, "
                 "sign-in fails at the IdP's token endpoint)",
             )
-        ]
-    return []
+        )
+    for name, provider in settings.providers.items():
+        if (
+            isinstance(provider, OAuthProviderSettings)
+            and provider.client_auth_method == "client_secret_basic"
+            and not provider.client_secret.get_secret_value()
+        ):
+            problems.append(
+                (
+                    f"providers.{name}.client_secret",
+                    "required: its token endpoint authenticates the client with HTTP Basic "
+                    "(client_auth_method client_secret_basic)",
+                )
+            )
+    return problems
 
 
 def _database_problems(url: str) -> list[Problem]:

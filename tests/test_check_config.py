@@ -132,3 +132,24 @@ def test_an_unreachable_database_and_a_wrong_issuer(
         f"'{idp.issuer}' in {idp.issuer}/.well-known/openid-configuration; set identity.issuer "
         "to exactly that",
     ]
+
+
+def test_a_provider_authenticating_with_http_basic_needs_its_secret(
+    tmp_path: Path, idp: IdpProcess, database: str
+) -> None:
+    """Notion's preset authenticates the client with HTTP Basic: an empty secret cannot work."""
+    config = BrokerConfig(
+        issuer=idp.issuer, providers={"notion": {"preset": "notion", "client_id": "n-client"}}
+    )
+    path = config_file(tmp_path, config, database)
+    assert cli("migrate", config_path=path).returncode == 0
+
+    result = cli("check-config", config_path=path)
+
+    assert result.returncode == 2
+    assert errors(result.stderr) == [
+        f"providers.notion.client_secret (in {path}; or set "
+        "BROKER_PROVIDERS_NOTION_CLIENT_SECRET): required: its token endpoint authenticates the "
+        "client with HTTP Basic "
+        "(client_auth_method client_secret_basic)"
+    ]
