@@ -11,10 +11,10 @@ import sys
 
 from app import admin_commands as admin
 from app import devmode
+from app.cli_errors import CommandFailed
 from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
 from app.logsetup import configure_logging
-from app.migrate import DatabaseUnreachable
 
 # How long an idle HTTP connection stays open. uvicorn's default (5 s) equals httpx's default
 # keep-alive expiry, the client of the official MCP Python SDK: a call made about 5 s after the
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
-    except (CommandFailed, DatabaseUnreachable) as exc:
+    except CommandFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # a file or directory the command needs: the environment, not a bug
@@ -42,10 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return result
-
-
-class CommandFailed(Exception):
-    """An expected failure of a command; the message says what happened and what to do."""
 
 
 def _require_free_port(host: str, port: int) -> None:

@@ -11,13 +11,14 @@ from alembic.config import Config
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 
+from app.cli_errors import CommandFailed
 from app.config_sources import ConfigError, env_variable
 from app.resources import resource_dir
 
 DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
 
 
-class DatabaseUnreachable(Exception):
+class DatabaseUnreachable(CommandFailed):
     """The configured database did not answer; the message says which and what to check."""
 
     def __init__(self, problem: str) -> None:
