@@ -35,7 +35,7 @@ def _with_session(settings: Settings, work: Any) -> Any:
     import asyncio
 
     from app.db import create_engine, create_sessionmaker
-    from app.migrate import require_current
+    from app.migrate import require_current, translated_errors
 
     require_current(settings.database.connect_url())
 
@@ -47,7 +47,8 @@ def _with_session(settings: Settings, work: Any) -> Any:
         finally:
             await engine.dispose()
 
-    return asyncio.run(run())
+    with translated_errors(settings.database.url):
+        return asyncio.run(run())
 
 
 def _service_usage_error(argument: str, message: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from app import admin_commands as admin
 from app import devmode
+from app.cli_errors import CommandFailed
 from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
 from app.logsetup import configure_logging
@@ -31,7 +32,35 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    except CommandFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file or directory the command needs: the environment, not a bug
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(
+            f"error: {where}{exc.strerror or exc}; check the path and its permissions",
+            file=sys.stderr,
+        )
+        return 1
     return result
+
+
+def _require_free_port(host: str, port: int) -> None:
+    """Fail in one line, before starting, when `host:port` cannot be listened on.
+
+    Raises:
+        CommandFailed: the port is taken or not ours to use.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise CommandFailed(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what is using it "
+            "or choose another --port/--host"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = load_serve_settings(args.config)
     require_current(settings.database.connect_url())
+    _require_free_port(args.host, args.port)
     configure_logging()
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
@@ -151,16 +181,23 @@ def _migrate(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = load_settings(config_path(args.config))
-    upgrade(settings.database.connect_url())
-    print("database schema is current")
+    print(upgrade(settings.database.connect_url()))
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    settings = load_serve_settings(args.config)
+    from app.config_check import check
+
+    report = check(config_path(args.config), os.environ)
+    for problem in report.problems:
+        print(f"configuration error: {problem}", file=sys.stderr)
+    if report.settings is None:
+        return 2
+    settings = report.settings
     print(
         f"configuration OK ({settings.source}): public_url {settings.public_url}, "
-        f"issuer {settings.identity.issuer}, {len(settings.providers)} provider(s)"
+        f"issuer {settings.identity.issuer} answers, database schema current, "
+        f"{len(settings.providers)} provider(s)"
     )
     return 0
 

@@ -8,6 +8,7 @@ of the key without the suffix (for secrets mounted as files). Errors name the of
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import os
@@ -32,7 +33,12 @@ from app.config_sources import SECTIONS, read_raw
 from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
 from app.config_sources import config_path as config_path
 from app.providers.presets import apply_preset
-from app.providers.settings import ProviderSettings, provider_settings_adapter
+from app.providers.settings import (
+    ApiKeyProviderSettings,
+    OAuthProviderSettings,
+    ProviderSettings,
+    provider_settings_adapter,
+)
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -52,6 +58,17 @@ class ServerSettings(_Section):
     session_ttl_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
     # GET /metrics answers only a scrape presenting this bearer token; unset, it answers 404
     metrics_token: SecretStr | None = None
+    # the operators' documentation, linked from the landing page (GET /)
+    docs_url: str | None = None
+
+    @field_validator("docs_url")
+    @classmethod
+    def _docs_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError("must be an absolute http(s) URL")
+        return value
 
     @field_validator("metrics_token")
     @classmethod
@@ -247,28 +264,40 @@ LIST_KEYS = {
 }
 
 
+Problem = tuple[str, str]  # (dotted key, what is wrong with it)
+MODELS: dict[str, type[_Section]] = {
+    "server": ServerSettings,
+    "database": DatabaseSettings,
+    "identity": IdentitySettings,
+    "keys": KeySettings,
+    "limits": LimitSettings,
+}
+
+
 def _validate(raw: dict[str, Any], *, source: str) -> Settings:
-    unknown = set(raw) - {*SECTIONS, "providers", "services"}
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown section")
-    sections: dict[str, Any] = {}
-    models: dict[str, type[_Section]] = {
-        "server": ServerSettings,
-        "database": DatabaseSettings,
-        "identity": IdentitySettings,
-        "keys": KeySettings,
-        "limits": LimitSettings,
-    }
-    for name, model in models.items():
+    parsed, problems = validate_all(raw)
+    if problems:
+        raise ConfigError("{}: {}".format(*problems[0]))
+    return Settings(source=source, **parsed)
+
+
+def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """Every section that parses (keyed as Settings' fields), and every problem found."""
+    problems: list[Problem] = []
+    for section in sorted(set(raw) - {*SECTIONS, "providers", "services"}):
+        problems.append((section, "unknown section" + _suggest(section, [*MODELS, *TABLES])))
+    parsed: dict[str, Any] = {}
+    for name, model in MODELS.items():
         values = dict(raw.get(name, {}))
         for key, value in values.items():
             if (name, key) in LIST_KEYS and isinstance(value, str):
                 values[key] = [item.strip() for item in value.split(",") if item.strip()]
-        sections[name] = _parse(model, values, name)
+        _parse(model, values, name, parsed, problems)
     providers: dict[str, ProviderSettings] = {}
     for name, values in raw.get("providers", {}).items():
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
-            raise ConfigError(f"providers.{name}: names are lowercase letters, digits, - and _")
+            problems.append((f"providers.{name}", "names are lowercase letters, digits, - and _"))
+            continue
         if isinstance(values.get("scopes"), str):  # from the environment: a comma list
             values = {
                 **values,
@@ -277,36 +306,57 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
         try:
             providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:
-            raise ConfigError(_describe(exc, f"providers.{name}")) from None
-    services: dict[str, ServiceSettings] = {}
+            problems.extend(_describe(exc, f"providers.{name}", PROVIDER_KEYS))
+    services: dict[str, Any] = {}
     for name, values in raw.get("services", {}).items():
-        services[name] = _parse(ServiceSettings, dict(values), f"services.{name}")
-    return Settings(source=source, providers=providers, services=services, **sections)
+        _parse(ServiceSettings, dict(values), f"services.{name}", services, problems)
+    parsed["providers"] = providers
+    parsed["services"] = {name.removeprefix("services."): s for name, s in services.items()}
+    return parsed, problems
 
 
-def _parse(model: type[_Section], values: dict[str, Any], name: str) -> Any:
+TABLES = ("providers", "services")
+PROVIDER_KEYS = sorted({*ApiKeyProviderSettings.model_fields, *OAuthProviderSettings.model_fields})
+
+
+def _parse(
+    model: type[_Section],
+    values: dict[str, Any],
+    name: str,
+    parsed: dict[str, Any],
+    problems: list[Problem],
+) -> None:
     try:
-        return model.model_validate(values)
+        parsed[name] = model.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, name)) from None
+        problems.extend(_describe(exc, name, list(model.model_fields)))
+
+
+def _suggest(word: str, known: list[str]) -> str:
+    """' (did you mean 'x'?)' for a close known name, else ''."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 PROVIDER_KINDS = ("api_key", "oauth2", "oidc")  # pydantic puts the union tag first in `loc`
 
 
-def _describe(exc: ValidationError, prefix: str) -> str:
-    error = exc.errors()[0]
-    parts = [str(part) for part in error["loc"] if not isinstance(part, int)]
-    if prefix.startswith("providers.") and parts and parts[0] in PROVIDER_KINDS:
-        parts = parts[1:]
-    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        parts, error["msg"] = ["kind"], "must be one of api_key, oauth2, oidc"
-    location = ".".join(parts)
-    key = f"{prefix}.{location}" if location else prefix
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        message = "unknown key"
-    return f"{key}: {message}"
+def _describe(exc: ValidationError, prefix: str, known: list[str]) -> list[Problem]:
+    """Each error of `exc` as (key, message); an unknown key gets the closest of `known`."""
+    problems: list[Problem] = []
+    for error in exc.errors():
+        parts = [str(part) for part in error["loc"] if not isinstance(part, int)]
+        if prefix.startswith("providers.") and parts and parts[0] in PROVIDER_KINDS:
+            parts = parts[1:]
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            parts, message = ["kind"], "must be one of api_key, oauth2, oidc"
+        location = ".".join(parts)
+        key = f"{prefix}.{location}" if location else prefix
+        if error["type"] == "extra_forbidden":
+            message = "unknown key" + (_suggest(parts[-1], known) if len(parts) == 1 else "")
+        problems.append((key, message))
+    return problems
 
 
 Mode = Literal["serve", "dev"]
@@ -324,18 +374,28 @@ def require_serve_ready(settings: Settings) -> None:
     """Checks `serve` needs beyond syntax: an issuer, a login client and keys.
 
     Raises:
-        ConfigError: naming the missing key.
+        ConfigError: naming the (first) missing key.
     """
+    problems = serve_problems(settings)
+    if problems:
+        raise ConfigError("{}: {}".format(*problems[0]))
+
+
+def serve_problems(settings: Settings) -> list[Problem]:
+    """What `serve` lacks beyond syntax, each as (key, message)."""
+    problems: list[Problem] = []
     identity = settings.identity
     if not identity.issuer:
-        raise ConfigError("identity.issuer: required (the IdP whose tokens /mcp accepts)")
-    try:
-        validate_public_url(identity.issuer)
-    except ValueError as exc:
-        raise ConfigError(f"identity.issuer: {exc}") from None
+        problems.append(("identity.issuer", "required (the IdP whose tokens /mcp accepts)"))
+    else:
+        try:
+            validate_public_url(identity.issuer)
+        except ValueError as exc:
+            problems.append(("identity.issuer", str(exc)))
     if not identity.login_client_id:
-        raise ConfigError("identity.login_client_id: required (the broker's own login client)")
+        problems.append(("identity.login_client_id", "required (the broker's own login client)"))
     if not settings.keys.signing:
-        raise ConfigError("keys.signing: at least one key is required")
+        problems.append(("keys.signing", "at least one key is required"))
     if not settings.keys.encryption:
-        raise ConfigError("keys.encryption: at least one key is required")
+        problems.append(("keys.encryption", "at least one key is required"))
+    return problems

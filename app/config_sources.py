@@ -17,6 +17,14 @@ class ConfigError(Exception):
     """The configuration is unusable; the message names the key and says why."""
 
 
+def env_variable(key: str) -> str:
+    """The environment variable that sets the dotted `key` (`server.public_url` ->
+    `BROKER_SERVER_PUBLIC_URL`; a provider's or service's key one level under its table)."""
+    parts = key.split(".")
+    depth = 3 if parts[0] in ("providers", "services") else 2
+    return "BROKER_" + "_".join(parts[:depth]).upper()
+
+
 def config_path(explicit: str | None) -> Path | None:
     """The file to read: the explicit path, else BROKER_CONFIG, else ./broker.toml if present."""
     if explicit:
@@ -41,7 +49,10 @@ def read_raw(
         try:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+            raise ConfigError(
+                f"cannot read config file {path}: {exc.strerror} "
+                "(give the right path with --config or BROKER_CONFIG)"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     _apply_environment(raw, environ)

@@ -50,6 +50,7 @@ from app.middleware import AccessLog, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes
 from app.resources import resource_dir
 from app.runtime import Runtime
+from app.templating import render
 
 logger = logging.getLogger("broker")
 ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the database
@@ -205,6 +206,7 @@ def create_app(
         app.add_api_route(path, _resource_metadata, include_in_schema=False)
     add_operations_routes(app)
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
+    app.add_api_route("/", _landing, include_in_schema=False)
     app.include_router(login.router)
     app.include_router(pages.router)
     app.include_router(oauth_pages.router)
@@ -259,6 +261,12 @@ async def _resource_metadata(request: Request) -> Response:
     if settings.identity.required_scopes:
         document["scopes_supported"] = list(settings.identity.required_scopes)
     return JSONResponse(document, headers={"Cache-Control": "public, max-age=3600"})
+
+
+async def _landing(request: Request) -> Response:
+    """What this service is, for someone who opens its address in a browser."""
+    runtime: Runtime = request.app.state.runtime
+    return render(request, "landing.html", docs_url=runtime.settings.server.docs_url)
 
 
 async def _stylesheet() -> Response:

@@ -17,6 +17,7 @@ from app.logsetup import sole_line_handler
 from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
 
 access_logger = logging.getLogger("broker.access")
+host_logger = logging.getLogger("broker.security")
 # Request ids correlate log lines and error pages; they carry no authority, so a random tag per
 # process and a counter do (no random draw per request).
 _PROCESS_TAG = secrets.token_hex(4)
@@ -55,9 +56,27 @@ class HostGuard:
         if scope["type"] == "http":
             host = (first_header(scope, b"host") or "").strip().lower()
             if host not in self.allowed_hosts and scope["path"] not in self.any_host_paths:
+                _log_refused_host(host, self.allowed_hosts)
                 await _plain(send, 421, b"Misdirected request: unknown Host\n")
                 return
         await self.app(scope, receive, send)
+
+
+LOGGED_HOST_CHARS = 100  # a hostile Host is cut to this many characters in the log
+
+
+def _log_refused_host(host: str, allowed: frozenset[str]) -> None:
+    """The Host refused and the ones accepted, for the operator (never in the response): a
+    `server.public_url` that is not the name clients use shows up here. `ascii` escapes control
+    and non-ASCII characters, so a hostile Host cannot forge or disguise log lines."""
+    shown = ascii(host[:LOGGED_HOST_CHARS]) + ("..." if len(host) > LOGGED_HOST_CHARS else "")
+    host_logger.warning(
+        "host.refused host=%s accepted=%s: the Host is not that of server.public_url or "
+        "server.allowed_origins; if clients reach the broker by this name, set "
+        "server.public_url to it",
+        shown,
+        ",".join(sorted(allowed)),
+    )
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:

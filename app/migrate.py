@@ -1,11 +1,32 @@
-"""Run the Alembic migrations that ship inside the package."""
+"""Run the Alembic migrations that ship inside the package, and say where the database stands."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+
 from alembic import command
 from alembic.config import Config
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 
+from app.cli_errors import CommandFailed
+from app.config_sources import ConfigError, env_variable
 from app.resources import resource_dir
+
+DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
+
+
+class DatabaseUnreachable(CommandFailed):
+    """The configured database did not answer; the message says which and what to check."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"database.url: {problem}; check that the database is running and reachable, "
+            f"and the URL ([database] url or {env_variable('database.url')})"
+        )
+        self.problem = problem
 
 
 def alembic_config(url: str) -> Config:
@@ -15,9 +36,23 @@ def alembic_config(url: str) -> Config:
     return config
 
 
-def upgrade(url: str) -> None:
-    """Bring the database at `url` to the newest schema (idempotent)."""
-    command.upgrade(alembic_config(url), "head")
+def upgrade(url: str) -> str:
+    """Bring the database at `url` to the newest schema (idempotent); say what was done.
+
+    Raises:
+        ConfigError: the URL is not one the broker can use.
+        DatabaseUnreachable: the database did not answer.
+    """
+    before = current_revision(url)
+    head = head_revision(url)
+    _require_known(url, before)
+    if before == head:
+        return f"database schema already current at revision {head}"
+    with translated_errors(url):
+        command.upgrade(alembic_config(url), "head")
+    if before is None:
+        return f"created database schema at revision {head}"
+    return f"upgraded database schema from revision {before} to {head}"
 
 
 def require_current(url: str) -> None:
@@ -25,23 +60,95 @@ def require_current(url: str) -> None:
 
     Raises:
         ConfigError: naming `database.url` and the command to run.
+        DatabaseUnreachable: the database did not answer.
     """
-    from app.config_sources import ConfigError
+    problem = schema_problem(url)
+    if problem:
+        raise ConfigError(f"database.url: {problem}")
 
-    if not is_current(url):
-        raise ConfigError("database.url: the schema is not current; run `connect-broker migrate`")
+
+def schema_problem(url: str) -> str | None:
+    """Why the database at `url` is not ready for `serve`, or None.
+
+    Raises:
+        ConfigError: the URL is not one the broker can use.
+        DatabaseUnreachable: the database did not answer.
+    """
+    current, head = current_revision(url), head_revision(url)
+    if current == head:
+        return None
+    _require_known(url, current)
+    if current is None:
+        return "the database has no schema yet; run `connect-broker migrate`"
+    return (
+        f"the schema is not current (at revision {current}, newest {head}); "
+        "run `connect-broker migrate`"
+    )
 
 
 def is_current(url: str) -> bool:
     """True when the database at `url` is at the newest revision."""
+    return current_revision(url) == head_revision(url)
+
+
+def _require_known(url: str, revision: str | None) -> None:
+    """Refuse a database at a revision this version does not ship (a newer version's).
+
+    Raises:
+        ConfigError: saying which revision and what to run.
+    """
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    if revision is None:
+        return
+    try:
+        ScriptDirectory.from_config(alembic_config(url)).get_revision(revision)
+    except CommandError:
+        raise ConfigError(
+            f"database.url: the database is at schema revision {revision!r:.40}, which this "
+            "version of connect-broker does not know (a newer version migrated it?); run that "
+            "version, or upgrade this one"
+        ) from None
+
+
+def head_revision(url: str) -> str:
+    from alembic.script import ScriptDirectory
+
+    return str(ScriptDirectory.from_config(alembic_config(url)).get_current_head())
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not a database URL the broker can use (scheme, driver), or None."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "not a database URL (use sqlite:///path or postgresql://user@host/db)"
+    backend = parsed.get_backend_name()
+    driver = DRIVERS.get(backend)
+    if driver is None:
+        return f"unsupported database {backend!r} (use sqlite:///path or postgresql://user@host/db)"
+    if importlib.util.find_spec(driver) is None:
+        return f"the {driver} driver for {backend} is not installed (pip install {driver})"
+    return None
+
+
+def current_revision(url: str) -> str | None:
+    """The database's schema revision, None for a database without one.
+
+    Raises:
+        ConfigError: the URL is not one the broker can use.
+        DatabaseUnreachable: the database did not answer.
+    """
     import asyncio
 
     from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
 
     from app.db import create_engine
 
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    problem = url_problem(url)
+    if problem:
+        raise ConfigError(f"database.url: {problem}")
 
     async def current() -> str | None:
         engine = create_engine(url, pool_size=1)
@@ -53,4 +160,22 @@ def is_current(url: str) -> bool:
         finally:
             await engine.dispose()
 
-    return asyncio.run(current()) == head
+    with translated_errors(url):
+        return asyncio.run(current())
+
+
+@contextlib.contextmanager
+def translated_errors(url: str) -> Iterator[None]:
+    """Turn the errors of a database that does not answer into DatabaseUnreachable."""
+    try:
+        yield
+    except IntegrityError:
+        raise  # the database answered: a constraint refused the change
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+    except DBAPIError as error:
+        reason = str(error.orig).splitlines()[0] if error.orig else type(error).__name__
+    else:
+        return
+    where = make_url(url).render_as_string(hide_password=True)
+    raise DatabaseUnreachable(f"cannot use the database at {where}: {reason}")

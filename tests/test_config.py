@@ -138,8 +138,8 @@ def test_serve_requires_an_issuer_and_keys(tmp_path: Path) -> None:
         require_serve_ready(settings)
 
 
-def test_check_config_command_reports_ok_and_names_the_bad_key(tmp_path: Path) -> None:
-    good = cli("check-config", config_path=write(tmp_path, VALID))
+def test_check_config_command_names_the_bad_key(tmp_path: Path) -> None:
+    """(A configuration that passes is in tests/test_check_config.py: it needs a live IdP.)"""
     bad = cli(
         "check-config",
         config_path=write(
@@ -150,8 +150,6 @@ def test_check_config_command_reports_ok_and_names_the_bad_key(tmp_path: Path) -
         ),
     )
 
-    assert good.returncode == 0, good.stderr
-    assert "configuration OK" in good.stdout
     assert bad.returncode == 2
     assert "identity.issuer" in bad.stderr
 

@@ -16,8 +16,9 @@ from app.crypto import generate_key
 from app.providers.presets import PRESETS
 from app.providers.settings import OAuthProviderSettings, PresetName
 
-from .support.broker import cli
+from .support.broker import cli, drop_database, fresh_database
 from .support.clients import McpHttp
+from .support.idp import IdpProcess
 from .support.schema import validate_response
 
 CLIENT = 'client_id = "the-client-id"\nclient_secret = "the-client-secret"\n'
@@ -365,19 +366,28 @@ def test_an_environment_value_for_an_unknown_provider_is_refused(tmp_path: Path)
     assert str(error.value).startswith("BROKER_PROVIDERS_GITHUB_CLIENT_SECRET: ")
 
 
-def test_check_config_accepts_a_preset_and_a_generic_oidc_provider(tmp_path: Path) -> None:
+def test_check_config_accepts_a_preset_and_a_generic_oidc_provider(
+    tmp_path: Path, idp: IdpProcess
+) -> None:
+    """check-config asks the IdP and the database too: a live IdP, a migrated database."""
     keys = f'signing = ["{generate_key("s1")}"]\nencryption = ["{generate_key("e1")}"]\n'
+    database = fresh_database(tmp_path, "providers")
     text = (
         '[server]\npublic_url = "https://broker.example.com"\n'
-        '[identity]\nissuer = "https://idp.example.com"\nlogin_client_id = "broker"\n'
+        f'[database]\nurl = "{database}"\n'
+        f'[identity]\nissuer = "{idp.issuer}"\nlogin_client_id = "broker"\n'
+        'login_client_secret = "the-login-secret"\n'
         f"[keys]\n{keys}"
         f'[providers.github]\npreset = "github"\n{CLIENT}'
         f"{ACME_TABLES}"
     )
     path = tmp_path / "broker.toml"
     path.write_text(text)
-
-    result = cli("check-config", config_path=path)
+    try:
+        assert cli("migrate", config_path=path).returncode == 0
+        result = cli("check-config", config_path=path)
+    finally:
+        drop_database(database)
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("configuration OK")

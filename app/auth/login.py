@@ -183,12 +183,33 @@ async def _exchange(runtime: Runtime, *, code: str, verifier: str) -> dict[str, 
         keys = await runtime.issuer.keys_for(kid if isinstance(kid, str) else None)
         decoded = jwt.decode(id_token, keys, algorithms=list(runtime.settings.identity.algorithms))
     except (OAuthError, httpx2.HTTPError, TimeoutError) as exc:
+        _log_refused_client(exc)
         logger.warning("login.token_exchange_failed error=%s", type(exc).__name__)
         raise BadLogin() from None
     except (JoseError, ValueError, JwksUnavailable) as exc:
         logger.warning("login.id_token_invalid error=%s", type(exc).__name__)
         raise BadLogin() from None
     return dict(decoded.claims)
+
+
+REFUSED_CLIENT_ERRORS = ("invalid_client", "unauthorized_client")
+
+
+def _log_refused_client(exc: Exception) -> None:
+    """Say so when the IdP refused the broker's own client credentials: the visitor only sees
+    "could not sign you in", and the fix is in the configuration (or at the IdP)."""
+    if isinstance(exc, OAuthError) and exc.error in REFUSED_CLIENT_ERRORS:
+        code = str(exc.error)
+    elif isinstance(exc, httpx2.HTTPStatusError) and exc.response.status_code == 401:
+        code = "HTTP 401"
+    else:
+        return
+    logger.warning(
+        "login.client_refused idp_error=%s: the IdP refused the broker's login client; check "
+        "identity.login_client_id and identity.login_client_secret against the client "
+        "registered at the IdP (its secret, and its token endpoint auth method)",
+        code,
+    )
 
 
 def _check_id_token(runtime: Runtime, claims: dict[str, Any], *, nonce: str) -> None:

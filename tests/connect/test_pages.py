@@ -545,13 +545,14 @@ def test_h5_check_config_refuses_an_unsafe_public_url(public_url: str, tmp_path:
     assert "configuration OK" not in result.stdout
 
 
-def test_h5_check_config_accepts_a_plain_https_public_url(tmp_path: Path) -> None:
-    """H5. Control case: the same file with an ordinary https URL is fine."""
-    result = cli(
-        "check-config",
-        config_path=_config_file(tmp_path, "https://connect.example.com"),
-        timeout=30,
-    )
+def test_h5_check_config_accepts_a_plain_https_public_url(tmp_path: Path, idp: IdpProcess) -> None:
+    """H5. Control case: the same file with an ordinary https URL is fine (check-config also
+    asks the IdP and the database: the suite's IdP, a migrated database)."""
+    path = _config_file(tmp_path, "https://connect.example.com")
+    path.write_text(path.read_text().replace('"https://idp.example"', f'"{idp.issuer}"'))
+    assert cli("migrate", config_path=path).returncode == 0
+
+    result = cli("check-config", config_path=path, timeout=30)
 
     assert result.returncode == 0, result.stderr
     assert "configuration OK" in result.stdout
