@@ -188,7 +188,7 @@ def _challenge(runtime: Runtime, **details: str) -> str:
     settings = runtime.settings
     return challenge(
         f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp",
-        scope=" ".join(settings.identity.required_scopes),
+        scope=" ".join(settings.identity.advertised_scopes),
         **details,
     )
 
