@@ -135,7 +135,15 @@ class IdentitySettings(_Section):
     login_client_id: str = ""
     login_client_secret: SecretStr = SecretStr("")
     required_scopes: tuple[str, ...] = ()
+    # What auth discovery (401 challenge, resource metadata) tells clients to request when no
+    # scope is required: a client that is told nothing guesses, or asks for none.
+    default_scopes: tuple[str, ...] = ("openid",)
     algorithms: tuple[str, ...] = ("RS256", "PS256", "ES256", "EdDSA")
+
+    @property
+    def advertised_scopes(self) -> tuple[str, ...]:
+        """The scopes named in the 401 challenge and listed as `scopes_supported`."""
+        return self.required_scopes or self.default_scopes
 
 
 class KeySettings(_Section):
@@ -258,6 +266,7 @@ def load_settings(
 LIST_KEYS = {
     ("server", "allowed_origins"),
     ("identity", "required_scopes"),
+    ("identity", "default_scopes"),
     ("identity", "algorithms"),
     ("keys", "signing"),
     ("keys", "encryption"),

@@ -258,8 +258,8 @@ async def _resource_metadata(request: Request) -> Response:
         "bearer_methods_supported": ["header"],
         "resource_name": "Connect Broker",
     }
-    if settings.identity.required_scopes:
-        document["scopes_supported"] = list(settings.identity.required_scopes)
+    if settings.identity.advertised_scopes:
+        document["scopes_supported"] = list(settings.identity.advertised_scopes)
     return JSONResponse(document, headers={"Cache-Control": "public, max-age=3600"})
 
 

@@ -52,6 +52,7 @@ def test_defaults_and_derived_values(tmp_path: Path) -> None:
     assert settings.audience == "https://broker.example.com/mcp"
     assert settings.identity.identity_claim == "sub"
     assert settings.identity.required_scopes == ()
+    assert settings.identity.advertised_scopes == ("openid",)
     assert settings.providers["demo"].display_name == "Demo"
     require_serve_ready(settings)
 
@@ -230,3 +231,23 @@ def serves(url: str, process: subprocess.Popen[bytes]) -> bool:
                 return True
         time.sleep(0.1)
     return False
+
+
+def test_L14_auth_discovery_advertises_the_required_scopes_else_the_default_ones(
+    tmp_path: Path,
+) -> None:
+    """`identity.default_scopes` (a comma list from the environment) counts only while no scope
+    is required; required scopes are what a token must carry, so they are what is advertised."""
+    path = write(tmp_path, VALID)
+
+    defaults = load_settings(path, environ={"BROKER_IDENTITY_DEFAULT_SCOPES": "openid, profile"})
+    required = load_settings(
+        path,
+        environ={
+            "BROKER_IDENTITY_DEFAULT_SCOPES": "openid, profile",
+            "BROKER_IDENTITY_REQUIRED_SCOPES": "mcp:tools",
+        },
+    )
+
+    assert defaults.identity.advertised_scopes == ("openid", "profile")
+    assert required.identity.advertised_scopes == ("mcp:tools",)

@@ -86,12 +86,11 @@ class BrokerTools:
         )
 
     async def connect_account(self, call: ToolCall) -> ToolResult:
-        provider = call.arguments.get("provider")
-        scopes = call.arguments.get("scopes") or []
-        if not isinstance(provider, str) or provider not in self.providers:
+        # The arguments' shape is checked against the inputSchema before a tool runs.
+        provider: str = call.arguments["provider"]
+        scopes: list[str] = call.arguments.get("scopes") or []
+        if provider not in self.providers:
             return self._unknown_provider(provider)
-        if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
-            return ToolResult(text="scopes must be a list of strings", is_error=True)
         settings = self.providers[provider]
         wanted = tuple(scopes) if settings.kind != "api_key" else ()
         credential = await call.connections.require(provider, wanted)
@@ -129,8 +128,8 @@ class BrokerTools:
         return ToolResult(structured={"providers": items})
 
     async def disconnect_account(self, call: ToolCall) -> ToolResult | InputRequired:
-        provider = call.arguments.get("provider")
-        if not isinstance(provider, str) or provider not in self.providers:
+        provider: str = call.arguments["provider"]
+        if provider not in self.providers:
             return self._unknown_provider(provider)
         name = self.providers[provider].display_name
         try:

@@ -18,6 +18,7 @@ from app.connect.refresh import KnownRows, usable_credential
 from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
 from app.credentials import Credential
+from app.mcp.arguments import check_arguments
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
 from app.mcp.registry import (
@@ -101,6 +102,7 @@ class CallToolRound:
 
     async def run(self, headers: HeaderMap) -> dict[str, Any]:
         check_param_headers(headers, self.tool.input_schema, self.arguments)
+        check_arguments(self.tool.name, self.tool.arguments_validator, self.arguments)
         state: StatePayload | None = None
         if "requestState" in self.message.params:
             state = self.runtime.codec.verify(

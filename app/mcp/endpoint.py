@@ -29,10 +29,12 @@ from app.mcp.methods import METHODS
 from app.mcp.protocol import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
+    LEGACY_HANDSHAKE,
     META_SERVER_INFO,
     METHOD_NOT_FOUND,
     JsonRpcError,
     rate_limited,
+    refusing_initialize,
 )
 from app.runtime import Runtime
 
@@ -92,6 +94,8 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             raise rate_limited("Too many requests for this user", wait)
         result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
+        if message is not None and message.method == LEGACY_HANDSHAKE:
+            exc = refusing_initialize(exc)
         runtime.metrics.mcp_error(exc.code)
         return _error(exc, message.id if message else None)
     except _HttpRefusal as refusal:
@@ -188,7 +192,7 @@ def _challenge(runtime: Runtime, **details: str) -> str:
     settings = runtime.settings
     return challenge(
         f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp",
-        scope=" ".join(settings.identity.required_scopes),
+        scope=" ".join(settings.identity.advertised_scopes),
         **details,
     )
 

@@ -13,6 +13,7 @@ META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+LEGACY_HANDSHAKE = "initialize"  # removed in 2026-07-28 (SEP-2575); refused with our versions
 
 PARSE_ERROR = -32700  # body is not JSON
 INVALID_REQUEST = -32600  # not a single valid JSON-RPC request (batches included)
@@ -51,6 +52,27 @@ class JsonRpcError(Exception):
         if self.data is not None:
             error["data"] = self.data
         return error
+
+
+def refusing_initialize(exc: JsonRpcError) -> JsonRpcError:
+    """`exc` as the answer to an `initialize` request: it names the versions this server speaks.
+
+    2026-07-28 has no handshake, so every `initialize` is refused; the versioning rules ask that
+    such an error name the supported versions. SDKs in their legacy mode show users only the
+    message, so it says so in words too, and `data.supported` says it to programs. The code and
+    the HTTP status stay what the request earned (the conformance suite checks them).
+    """
+    versions = ", ".join(SUPPORTED_VERSIONS)
+    data = exc.data if isinstance(exc.data, dict) else {}
+    return JsonRpcError(
+        exc.code,
+        f"This server speaks MCP {versions} only, which has no initialize handshake: use a client "
+        f"that supports MCP {versions} ({exc.message})",
+        http_status=exc.http_status,
+        data={**data, "supported": list(SUPPORTED_VERSIONS)},
+        headers=exc.headers,
+        request_id=exc.request_id,
+    )
 
 
 def invalid_params(

@@ -21,10 +21,14 @@ import json
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
+
+from jsonschema.exceptions import SchemaError
 
 from app.auth.principal import McpCaller
 from app.credentials import Credential
+from app.mcp.arguments import ArgumentsValidator, compile_arguments_schema
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "additionalProperties": False}
@@ -120,6 +124,11 @@ class Tool:
     annotations: dict[str, Any] | None = None
     output_schema: dict[str, Any] | None = None
 
+    @cached_property
+    def arguments_validator(self) -> ArgumentsValidator:
+        """Checks `tools/call` arguments against `input_schema`, the schema `tools/list` shows."""
+        return compile_arguments_schema(self.input_schema)
+
     def to_wire(self) -> dict[str, Any]:
         tool: dict[str, Any] = {
             "name": self.name,
@@ -148,6 +157,12 @@ class ToolRegistry:
             raise ValueError(f"tool {tool.name!r} is already registered")
         if tool.input_schema.get("type") != "object":
             raise ValueError("a tool's inputSchema must have type object")
+        try:
+            tool.arguments_validator  # noqa: B018 - compiled now: a bad schema fails registration
+        except SchemaError as exc:
+            raise ValueError(
+                f"tool {tool.name!r} has an invalid inputSchema: {exc.message}"
+            ) from None
         self._tools[tool.name] = tool
 
     def tool(

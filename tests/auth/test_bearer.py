@@ -327,6 +327,28 @@ async def test_protected_resource_metadata_is_the_same_at_both_paths(
     assert bare.json() == inserted.json()
 
 
+async def test_L14_challenge_names_the_default_scope_when_none_is_required(
+    mcp: McpHttp, broker: BrokerProcess
+) -> None:
+    """With `identity.required_scopes` empty, the 401 still says what to ask for (`openid`)."""
+    response = await mcp.post(request_body("server/discover"), token=None)
+
+    assert response.status_code == 401
+    params = challenge_params(response)
+    assert params["scope"] == "openid"
+    assert "error" not in params
+
+
+async def test_L14_protected_resource_metadata_lists_the_default_scope_when_none_is_required(
+    mcp: McpHttp, broker: BrokerProcess
+) -> None:
+    """RFC 9728 §2 `scopes_supported` is listed on a broker that requires no scope."""
+    response = await mcp.http.get(metadata_url(broker))
+
+    assert response.status_code == 200
+    assert response.json()["scopes_supported"] == ["openid"]
+
+
 # ---------------------------------------------------------------------------------------------
 # A1-A9: tokens that must be refused
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +364,7 @@ async def test_a1_missing_token_gets_a_bare_challenge_with_resource_metadata(
 
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == (
-        f'Bearer resource_metadata="{metadata_url(broker)}"'
+        f'Bearer resource_metadata="{metadata_url(broker)}", scope="openid"'
     )
     assert await flow_ids(db) <= flows_before
 

@@ -189,6 +189,90 @@ async def custom_header(call: ToolCall) -> ToolResult:
     return ToolResult(text=f"region={call.arguments.get('region')}")
 
 
+# A 1x1 red PNG and 0.01 s of 8 kHz mono silence as WAV, the smallest media the suite accepts.
+PNG_BASE64 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0g"
+    "AAAABJRU5ErkJggg=="
+)
+WAV_BASE64 = (
+    "UklGRnQAAABXQVZFZm10IBAAAAABAAEAQB8AAEAfAAABAAgAZGF0YVAAAACAgICAgICAgICAgICAgICAgICAgICAgICA"
+    "gICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgA=="
+)
+IMAGE: dict[str, Any] = {"type": "image", "data": PNG_BASE64, "mimeType": "image/png"}
+
+
+def _resource(uri: str, mime_type: str, text: str) -> dict[str, Any]:
+    return {"type": "resource", "resource": {"uri": uri, "mimeType": mime_type, "text": text}}
+
+
+async def simple_text(call: ToolCall) -> ToolResult:
+    """Answers one text content item."""
+    return ToolResult(text="This is a simple text response for testing.")
+
+
+async def image_content(call: ToolCall) -> ToolResult:
+    """Answers one PNG image content item."""
+    return ToolResult(content=(IMAGE,))
+
+
+async def audio_content(call: ToolCall) -> ToolResult:
+    """Answers one WAV audio content item."""
+    return ToolResult(content=({"type": "audio", "data": WAV_BASE64, "mimeType": "audio/wav"},))
+
+
+async def embedded_resource(call: ToolCall) -> ToolResult:
+    """Answers one embedded text resource."""
+    text = "This is an embedded resource content."
+    return ToolResult(content=(_resource("test://embedded-resource", "text/plain", text),))
+
+
+async def mixed_content(call: ToolCall) -> ToolResult:
+    """Answers text, an image and an embedded resource together."""
+    data = '{"test":"data","value":123}'
+    resource = _resource("test://mixed-content-resource", "application/json", data)
+    return ToolResult(text="Multiple content types test:", content=(IMAGE, resource))
+
+
+async def error_handling(call: ToolCall) -> ToolResult:
+    """Always fails as a tool (isError), never as a JSON-RPC error."""
+    return ToolResult(text="This tool intentionally returns an error for testing", is_error=True)
+
+
+async def with_progress(call: ToolCall) -> ToolResult:
+    """Would report progress; the broker answers in one JSON response, so it only answers."""
+    return ToolResult(text="Done (the broker sends no progress notifications).")
+
+
+async def json_schema_2020_12(call: ToolCall) -> ToolResult:
+    """Advertises a JSON Schema 2020-12 inputSchema ($defs, $anchor, allOf, if/then/else)."""
+    return ToolResult(text="ok")
+
+
+# The suite's `json-schema-2020-12` fixture schema, verbatim (it checks that nothing is dropped).
+JSON_SCHEMA_2020_12: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "$defs": {
+        "address": {
+            "$anchor": "addressDef",
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+        }
+    },
+    "properties": {
+        "name": {"type": "string"},
+        "address": {"$ref": "#/$defs/address"},
+        "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+        "phone": {"type": "string"},
+        "email": {"type": "string"},
+    },
+    "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+    "if": {"properties": {"contactMethod": {"const": "phone"}}, "required": ["contactMethod"]},
+    "then": {"required": ["phone"]},
+    "else": {"required": ["email"]},
+    "additionalProperties": False,
+}
+
 CUSTOM_HEADER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"region": {"type": "string", "x-mcp-header": "Region"}},
@@ -207,6 +291,13 @@ FIXTURES: tuple[tuple[str, ToolHandler], ...] = (
     ("test_missing_capability", needs_sampling),
     ("test_streaming_elicitation", streaming_elicitation),
     ("test_logging_tool", logging_tool),
+    ("test_simple_text", simple_text),
+    ("test_image_content", image_content),
+    ("test_audio_content", audio_content),
+    ("test_embedded_resource", embedded_resource),
+    ("test_multiple_content_types", mixed_content),
+    ("test_error_handling", error_handling),
+    ("test_tool_with_progress", with_progress),
 )
 
 
@@ -221,4 +312,9 @@ def conformance_registry() -> ToolRegistry:
         description="Conformance fixture: " + (custom_header.__doc__ or "").splitlines()[0],
         input_schema=CUSTOM_HEADER_SCHEMA,
     )(custom_header)
+    registry.tool(
+        "json_schema_2020_12_tool",
+        description="Tool with JSON Schema 2020-12 features",
+        input_schema=JSON_SCHEMA_2020_12,
+    )(json_schema_2020_12)
     return registry

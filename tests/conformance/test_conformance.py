@@ -44,6 +44,34 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the suite colours its summary unconditio
 REQUIRED_SCENARIOS = ("server-stateless", "tools-list", "dns-rebinding-protection")
 # SEP-2243 header rules (SECURITY.md T23); pending in the suite, but the broker implements them.
 HEADER_SCENARIOS = ("http-header-validation", "http-custom-header-server-validation")
+# Tool fixtures (fixtures.py) and the transport's own behaviour, for a tools-only server.
+TOOL_SCENARIOS = (
+    "tools-call-simple-text",
+    "tools-call-image",
+    "tools-call-audio",
+    "tools-call-embedded-resource",
+    "tools-call-mixed-content",
+    "tools-call-error",
+    "tools-call-with-progress",
+    "json-schema-2020-12",
+    "caching",
+    "server-sse-multiple-streams",
+)
+# Scenarios of the suite that do not apply to the broker, which serves tools only (discover
+# advertises `tools` alone; prompts/*, resources/* and completion/complete answer 404 -32601).
+NOT_APPLICABLE = {
+    "completion-complete": "no completions: the broker has no prompts or resource templates",
+    "resources-list": "no resources",
+    "resources-read-text": "no resources",
+    "resources-read-binary": "no resources",
+    "resources-templates-read": "no resources",
+    "sep-2164-resource-not-found": "no resources (resources/read is not a method here)",
+    "prompts-list": "no prompts",
+    "prompts-get-simple": "no prompts",
+    "prompts-get-with-args": "no prompts",
+    "prompts-get-embedded-resource": "no prompts",
+    "prompts-get-with-image": "no prompts",
+}
 INPUT_REQUIRED_SCENARIOS = (
     "input-required-result-basic-elicitation",
     "input-required-result-basic-sampling",
@@ -87,19 +115,22 @@ def suite_command(*args: str) -> list[str]:
 
 
 def baseline_entries() -> list[tuple[str, list[str]]]:
-    """Each `server:` entry of baseline.yml with the comment lines written above it."""
+    """Each `server:` entry of baseline.yml with the comment block written above it (entries
+    listed one after another share the block above the first)."""
     entries: list[tuple[str, list[str]]] = []
     comments: list[str] = []
-    in_server = False
+    in_server = after_entry = False
     for line in BASELINE.read_text().splitlines():
         stripped = line.strip()
         if line.startswith("server:"):
             in_server, comments = True, []
         elif in_server and stripped.startswith("#"):
+            if after_entry:
+                comments, after_entry = [], False
             comments.append(stripped.lstrip("#").strip())
         elif in_server and stripped.startswith("- "):
             entries.append((stripped[2:].strip().strip("'\""), comments))
-            comments = []
+            after_entry = True
     return entries
 
 
@@ -207,7 +238,7 @@ def run_scenario(broker: ConformanceBroker, scenario: str) -> subprocess.Complet
     )
 
 
-ALL_SCENARIOS = REQUIRED_SCENARIOS + HEADER_SCENARIOS + INPUT_REQUIRED_SCENARIOS
+ALL_SCENARIOS = REQUIRED_SCENARIOS + HEADER_SCENARIOS + TOOL_SCENARIOS + INPUT_REQUIRED_SCENARIOS
 
 
 @pytest.mark.parametrize("scenario", ALL_SCENARIOS)
@@ -237,8 +268,9 @@ def test_conformance_scenario_passes_against_the_live_broker(
     assert list((conformance_broker.outdir / scenario).glob("*/checks.json")), completed.stdout
 
 
-def test_every_input_required_scenario_of_the_suite_is_run() -> None:
-    """A suite upgrade that adds an MRTR scenario must fail here until the scenario is run."""
+def test_L15_every_server_scenario_of_the_suite_is_run_or_does_not_apply() -> None:
+    """A suite upgrade that adds a 2026-07-28 server scenario fails here until it is run here,
+    or listed in NOT_APPLICABLE with its reason."""
     listed = subprocess.run(
         suite_command("list", "--server", "--spec-version", SPEC_VERSION),
         capture_output=True,
@@ -248,7 +280,9 @@ def test_every_input_required_scenario_of_the_suite_is_run() -> None:
     )
 
     names = re.findall(r"^\s*-\s+(\S+)", listed.stdout, flags=re.MULTILINE)
-    assert set(REQUIRED_SCENARIOS + HEADER_SCENARIOS) <= set(names)
+    assert sorted(names) == sorted(ALL_SCENARIOS + tuple(NOT_APPLICABLE))
+    assert not set(ALL_SCENARIOS) & set(NOT_APPLICABLE)
+    assert all(reason.strip() for reason in NOT_APPLICABLE.values())
     assert sorted(n for n in names if n.startswith("input-required-result-")) == sorted(
         INPUT_REQUIRED_SCENARIOS
     )

@@ -334,3 +334,84 @@ async def test_disconnect_is_reflected_by_both_listings(
 
     assert connections["structuredContent"] == {"connections": []}
     assert providers["structuredContent"]["providers"][0]["connected"] is False
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments checked against the advertised inputSchema
+# ------------------------------------------------------------------------------------------------
+
+
+def invalid_arguments(response: httpx2.Response) -> str:
+    """The -32602 refusal of a call whose arguments break the tool's inputSchema."""
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_response(body)
+    assert body["error"]["code"] == -32602, body
+    assert body["error"]["data"] == {"reason": "invalid_arguments"}
+    message: str = body["error"]["message"]
+    return message
+
+
+async def test_L13_an_argument_the_schema_does_not_declare_is_refused(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    token = token_for(fresh_user("args-extra"))
+
+    message = invalid_arguments(
+        await mcp.call_tool(token, "connect_account", {"provider": "demo", "bogus": 1})
+    )
+
+    assert message == (
+        "Invalid arguments for tool connect_account: unexpected argument bogus "
+        "(accepted: provider, scopes)"
+    )
+
+
+async def test_L13_a_missing_required_argument_is_named(mcp: McpHttp, token_for: Any) -> None:
+    token = token_for(fresh_user("args-missing"))
+
+    message = invalid_arguments(await mcp.call_tool(token, "connect_account", {}))
+
+    assert (
+        message == "Invalid arguments for tool connect_account: missing required argument provider"
+    )
+    assert "None" not in message
+
+
+async def test_L13_a_wrongly_typed_argument_is_refused_without_echoing_its_value(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    token = token_for(fresh_user("args-type"))
+    secretish = "sk_live_CANARY_argument_value_1"
+
+    message = invalid_arguments(
+        await mcp.call_tool(token, "connect_account", {"provider": "demo", "scopes": secretish})
+    )
+
+    assert message == "Invalid arguments for tool connect_account: scopes must be of type array"
+    assert secretish not in message
+
+
+async def test_L13_a_secret_looking_unexpected_argument_name_is_not_repeated(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    token = token_for(fresh_user("args-secret-name"))
+    secretish = "ghp-CANARY-0123456789abcdef0123456789abcdef"
+
+    message = invalid_arguments(await mcp.call_tool(token, "list_providers", {secretish: "x"}))
+
+    assert (
+        message
+        == "Invalid arguments for tool list_providers: an unexpected argument (accepted: none)"
+    )
+    assert secretish not in message
+
+
+async def test_L13_an_array_item_of_the_wrong_type_is_located(mcp: McpHttp, token_for: Any) -> None:
+    token = token_for(fresh_user("args-item"))
+
+    message = invalid_arguments(
+        await mcp.call_tool(token, "connect_account", {"provider": "demo", "scopes": ["a", 7]})
+    )
+
+    assert message == "Invalid arguments for tool connect_account: scopes[1] must be of type string"

@@ -1,0 +1,91 @@
+"""The one validator of `tools/call` arguments, driven by each tool's advertised inputSchema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.mcp.arguments import check_arguments, compile_arguments_schema
+from app.mcp.protocol import INVALID_PARAMS, JsonRpcError
+from app.mcp.registry import Tool, ToolCall, ToolRegistry, ToolResult
+
+# The shape of the conformance suite's JSON Schema 2020-12 fixture: $defs/$ref, allOf, if/then.
+RICH_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "$defs": {
+        "address": {
+            "$anchor": "address",
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street"],
+        }
+    },
+    "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "mode": {"enum": ["fast", "safe"]},
+        "count": {"type": "integer", "maximum": 10},
+        "address": {"$ref": "#/$defs/address"},
+    },
+    "if": {"properties": {"mode": {"const": "safe"}}, "required": ["mode"]},
+    "then": {"required": ["address"]},
+    "additionalProperties": False,
+}
+
+
+def refusal(arguments: Any, schema: dict[str, Any] = RICH_SCHEMA) -> str:
+    with pytest.raises(JsonRpcError) as caught:
+        check_arguments("rich", compile_arguments_schema(schema), arguments)
+    assert caught.value.code == INVALID_PARAMS
+    assert caught.value.data == {"reason": "invalid_arguments"}
+    return caught.value.message
+
+
+def test_L13_arguments_the_schema_accepts_pass() -> None:
+    validator = compile_arguments_schema(RICH_SCHEMA)
+
+    check_arguments("rich", validator, {"name": "ok", "mode": "safe", "address": {"street": "x"}})
+    check_arguments("rich", validator, {})
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"name": "x"}, "name must be at least 2 characters long"),
+        ({"count": 11}, "count must be at most 10"),
+        ({"count": 1.5}, "count must be of type integer"),
+        ({"mode": "slow"}, "mode must be one of: fast, safe"),
+        ({"address": {}}, "missing required argument address.street"),
+        ({"mode": "safe"}, "missing required argument address"),
+        ({"address": {"street": 5}}, "address.street must be of type string"),
+        ([], "arguments must be of type object"),
+    ],
+)
+def test_L13_each_broken_rule_is_named_with_its_argument(arguments: Any, expected: str) -> None:
+    assert refusal(arguments) == f"Invalid arguments for tool rich: {expected}"
+
+
+def test_L13_a_rule_without_its_own_wording_still_names_the_argument_not_the_value() -> None:
+    schema = {"type": "object", "properties": {"token": {"not": {"type": "string"}}}}
+
+    message = refusal({"token": "sk_live_CANARY_in_a_value"}, schema)
+
+    assert (
+        message == "Invalid arguments for tool rich: token does not satisfy the schema's 'not' rule"
+    )
+
+
+def test_L13_a_tool_with_an_invalid_input_schema_cannot_be_registered() -> None:
+    async def handler(_call: ToolCall) -> ToolResult:
+        return ToolResult(text="never")
+
+    broken = Tool(
+        name="broken",
+        description="x",
+        handler=handler,
+        input_schema={"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+    )
+
+    with pytest.raises(ValueError, match="invalid inputSchema"):
+        ToolRegistry().add(broken)
