@@ -40,6 +40,8 @@ class ServerSettings(_Section):
     retry_wait_seconds: float = Field(default=20, ge=0, le=120)
     flow_ttl_seconds: int = Field(default=600, ge=60, le=3600)
     max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=16 * 1024 * 1024)
+    # every other body (/api/v1, the browser forms): counted as it arrives, refused past this
+    max_api_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
     login_max_age_seconds: int = Field(default=12 * 3600, ge=60)
     session_ttl_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
     # GET /metrics answers only a scrape presenting this bearer token; unset, it answers 404

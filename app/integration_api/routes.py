@@ -12,10 +12,12 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.responses import Response
 
 from app import credentials
 from app.auth.principal import Principal
@@ -45,22 +47,49 @@ from app.integration_api.problems import (
     TooManyFailedAuthentications,
     UnknownIssuer,
     UnknownProvider,
+    problem_response,
     problem_responses,
 )
 from app.integration_api.services import Service
 from app.limits import client_key
 from app.runtime import Runtime
 
-router = APIRouter(
-    prefix="/api/v1",
-    tags=["integration"],
-    route_class=ProblemRoute,
-    responses=problem_responses(401, 422, 429),
-)
 service_secret = HTTPBearer(
     auto_error=False,
     scheme_name="ServiceSecret",
     description="The secret `connect-broker service create` printed (`cbs_…`).",
+)
+
+
+class ServiceRoute(ProblemRoute):
+    """Authenticates the calling service first, then reads the body, then runs the route.
+
+    FastAPI reads and parses a body before it solves the route's dependencies: with the secret
+    checked as a dependency, anyone who can reach the port could have any body read and parsed
+    (memory and CPU). Read here, the body also meets the cap (app/middleware.py `BodyLimit`)
+    outside FastAPI's read, which would turn the 413 into a 400.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def authenticated_first(request: Request) -> Response:
+            try:
+                request.state.service = await _authenticate(request)
+            except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
+                return problem_response(request, exc)
+            if self.body_field is not None:
+                await request.body()  # kept by the request for FastAPI's own read
+            return await handle(request)
+
+        return authenticated_first
+
+
+router = APIRouter(
+    prefix="/api/v1",
+    tags=["integration"],
+    route_class=ServiceRoute,
+    responses=problem_responses(401, 422, 429),
 )
 UserIssuer = Annotated[str, Query(min_length=1, max_length=255, description="the user's `iss`")]
 UserSubject = Annotated[
@@ -70,10 +99,18 @@ UserSubject = Annotated[
 
 async def calling_service(
     request: Request,
-    runtime: RuntimeDep,
-    presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
+    _presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
 ) -> Service:
-    """The authenticated sibling (looked up through the direct store, holding no session)."""
+    """The sibling `ServiceRoute` authenticated (the parameter documents the scheme)."""
+    service: Service = request.state.service
+    return service
+
+
+async def _authenticate(request: Request) -> Service:
+    """The sibling presenting the secret (looked up through the direct store, holding no
+    session)."""
+    runtime: Runtime = request.app.state.runtime
+    presented = await service_secret(request)
     if presented is None:
         raise InvalidServiceCredentials()
     address = client_key(request.scope.get("client"))
