@@ -19,6 +19,35 @@ def dumps(value: Any, *, sort_keys: bool = False) -> bytes:
         return text.encode()
 
 
+def unusable_text(document: Any, *, allow_nul: bool = False) -> str | None:
+    """What makes a parsed document unfit to write back or to store, or None: an unpaired
+    surrogate in a string or key (what the escape `\\ud800` decodes to; no UTF-8 encoder writes
+    one), or, unless `allow_nul`, a NUL (PostgreSQL text cannot hold one)."""
+    pending = [document]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not allow_nul and "\x00" in item:
+                return "a NUL character (\\u0000)"
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    return "an unpaired surrogate (\\ud800-\\udfff)"
+        elif isinstance(item, dict):
+            pending += item.keys()
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+    return None
+
+
+def may_hold_unusable_text(body: bytes, *, allow_nul: bool = False) -> bool:
+    """False when the JSON text `body` holds no escape `unusable_text` could find (a NUL or a
+    surrogate can only be written as an escape); True sends it to the walk."""
+    return (not allow_nul and b"\\u0000" in body) or b"\\ud" in body or b"\\uD" in body
+
+
 def loads(document: bytes | str) -> Any:
     """Parse JSON (orjson: raises a ValueError subclass for anything that is not JSON)."""
     return orjson.loads(document)

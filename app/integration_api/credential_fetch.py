@@ -55,6 +55,8 @@ def user_query(scope: Scope) -> tuple[str, str] | None:
     issuer, subject = values["issuer"], values["subject"]
     if not (0 < len(issuer) <= MAX_QUERY_VALUE and 0 < len(subject) <= MAX_QUERY_VALUE):
         return None
+    if "\x00" in issuer or "\x00" in subject:
+        return None  # the route refuses it (a 422 naming the field)
     return issuer, subject
 
 

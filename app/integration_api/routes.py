@@ -12,10 +12,12 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.responses import Response
 
@@ -47,10 +49,12 @@ from app.integration_api.problems import (
     TooManyFailedAuthentications,
     UnknownIssuer,
     UnknownProvider,
+    invalid_request,
     problem_response,
     problem_responses,
 )
 from app.integration_api.services import Service
+from app.jsonbytes import may_hold_unusable_text, unusable_text
 from app.limits import client_key
 from app.runtime import Runtime
 
@@ -62,12 +66,15 @@ service_secret = HTTPBearer(
 
 
 class ServiceRoute(ProblemRoute):
-    """Authenticates the calling service first, then reads the body, then runs the route.
+    """Authenticates the calling service first, then reads and checks the body, then runs the
+    route.
 
     FastAPI reads and parses a body before it solves the route's dependencies: with the secret
     checked as a dependency, anyone who can reach the port could have any body read and parsed
     (memory and CPU). Read here, the body also meets the cap (app/middleware.py `BodyLimit`)
-    outside FastAPI's read, which would turn the 413 into a 400.
+    outside FastAPI's read, which would turn the 413 into a 400. A string holding a NUL or an
+    unpaired surrogate is refused (422) here, for every field: FastAPI's JSON parser accepts both,
+    and a field typed `Any` would carry them to the database or to the answer.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -79,10 +86,26 @@ class ServiceRoute(ProblemRoute):
             except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
                 return problem_response(request, exc)
             if self.body_field is not None:
-                await request.body()  # kept by the request for FastAPI's own read
+                body = await request.body()  # kept by the request for FastAPI's own read
+                reason = _unusable_body_text(body)
+                if reason is not None:
+                    error = {"loc": ("body",), "msg": f"Strings must not hold {reason}"}
+                    return invalid_request(
+                        request, RequestValidationError([{**error, "type": "string_unusable"}])
+                    )
             return await handle(request)
 
         return authenticated_first
+
+
+def _unusable_body_text(body: bytes) -> str | None:
+    if not may_hold_unusable_text(body):
+        return None
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # not JSON: FastAPI's own read answers
+    return unusable_text(document)
 
 
 router = APIRouter(
@@ -91,9 +114,18 @@ router = APIRouter(
     route_class=ServiceRoute,
     responses=problem_responses(401, 422, 429),
 )
-UserIssuer = Annotated[str, Query(min_length=1, max_length=255, description="the user's `iss`")]
+NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold a NUL; refused at the edge (422)
+UserIssuer = Annotated[
+    str, Query(min_length=1, max_length=255, pattern=NO_NUL, description="the user's `iss`")
+]
 UserSubject = Annotated[
-    str, Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)")
+    str,
+    Query(
+        min_length=1,
+        max_length=255,
+        pattern=NO_NUL,
+        description="the user's identity claim (`sub`)",
+    ),
 ]
 
 
