@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.db import is_sqlite
     from app.migrate import require_current
+    from app.serving import guarded_protocol
 
     settings = load_serve_settings(args.config)
     require_current(settings.database.connect_url())
@@ -173,6 +174,9 @@ def _serve(args: argparse.Namespace) -> int:
         server_header=False,
         log_config=None,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        http=guarded_protocol(
+            settings.server.header_timeout_seconds, settings.server.max_connections
+        ),
     )
     return 0
 

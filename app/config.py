@@ -54,6 +54,13 @@ class ServerSettings(_Section):
     retry_wait_seconds: float = Field(default=20, ge=0, le=120)
     flow_ttl_seconds: int = Field(default=600, ge=60, le=3600)
     max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=16 * 1024 * 1024)
+    # every other body (/api/v1, the browser forms): counted as it arrives, refused past this
+    max_api_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    # a connection completes each request's headers within this, or is closed (app/serving.py)
+    header_timeout_seconds: float = Field(default=10, gt=0, le=300)
+    # open connections per process; one more is answered 503 (below the descriptor limit, 1,024
+    # by default, less the database pool, outbound connections and files)
+    max_connections: int = Field(default=900, ge=1)
     login_max_age_seconds: int = Field(default=12 * 3600, ge=60)
     session_ttl_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
     # GET /metrics answers only a scrape presenting this bearer token; unset, it answers 404

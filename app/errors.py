@@ -87,6 +87,12 @@ class PayloadTooLarge(BrokerError):
     next_step = "Go back and check what you entered."
 
 
+class BodyTooLarge(PayloadTooLarge):
+    """A request body past the cap of its route (app/middleware.py `BodyLimit`)."""
+
+    message = "The request body is too large for this address; nothing was changed."
+
+
 class ServiceUnavailable(BrokerError):
     status_code = 503
     code = "unavailable"

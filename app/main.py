@@ -46,7 +46,7 @@ from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
-from app.middleware import AccessLog, HostGuard
+from app.middleware import AccessLog, BodyLimit, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes
 from app.resources import resource_dir
 from app.runtime import Runtime
@@ -220,6 +220,7 @@ def create_app(
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)
     hosts = allowed_hosts(settings)
+    app.add_middleware(BodyLimit, limit=settings.server.max_api_body_bytes)
     app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=ANY_HOST_PATHS)
     app.add_middleware(AccessLog, metrics=runtime.metrics)
     app.mcp_stack = AccessLog(

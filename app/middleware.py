@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: Host allow-list, request ids and an access log without query strings.
+"""Pure ASGI middleware: Host allow-list, request ids, an access log without query strings, and
+a cap on request bodies.
 
 uvicorn's own access log prints the query string (and so OAuth `code`/`state`); it is disabled and
 replaced by `AccessLog`, which logs method, path, status and duration only (SECURITY.md §0.10).
@@ -13,6 +14,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import BodyTooLarge
 from app.logsetup import sole_line_handler
 from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
 
@@ -77,6 +79,45 @@ def _log_refused_host(host: str, allowed: frozenset[str]) -> None:
         shown,
         ",".join(sorted(allowed)),
     )
+
+
+class BodyLimit:
+    """Refuse a request body past `limit` bytes, on every route FastAPI serves (/mcp, which
+    FastAPI does not serve, caps its own body: app/mcp/endpoint.py).
+
+    The body is counted as it arrives, so a chunked body (no Content-Length) stops at the cap
+    like a declared one; a declared length past the cap fails at the first read, before any of
+    the body is taken. Nothing is read here: the cap is checked when the route reads, after it
+    has authenticated the caller, and `BodyTooLarge` raised from `receive` reaches the app's
+    handlers, which answer in the route's own shape (a page on browser paths, problem JSON
+    under /api/v1). A route that never reads its body never pays for it.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit
+        declared = first_header(scope, b"content-length")
+        too_long = declared is not None and (not declared.isdigit() or int(declared) > limit)
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            if too_long:
+                raise BodyTooLarge()
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, receive_within_limit, send)
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:

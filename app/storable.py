@@ -14,21 +14,23 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 
-def unstorable_reason(text: str) -> str | None:
-    """Why `text` cannot be stored, or None when it can."""
-    if "\x00" in text:
-        return "contains a NUL character"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "contains an unpaired surrogate (not valid Unicode)"
+def unstorable_reason(text: str, *, allow_nul: bool = False) -> str | None:
+    """What in `text` the database would refuse, or None: an unpaired surrogate (what the JSON
+    escape `\\ud800` decodes to; no UTF-8 encoder writes one) or, unless `allow_nul`, a NUL."""
+    if not allow_nul and "\x00" in text:
+        return "a NUL character (\\u0000)"
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return "an unpaired surrogate (\\ud800-\\udfff)"
     return None
 
 
 def _storable(text: str) -> str:
     reason = unstorable_reason(text)
     if reason:
-        raise ValueError(f"the value {reason}")
+        raise ValueError(f"the value must not hold {reason}")
     return text
 
 

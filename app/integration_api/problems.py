@@ -94,7 +94,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": "problem details", "content": content} for status in statuses}
 
 
-def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+def invalid_request(request: Request, exc: RequestValidationError) -> Response:
     """422 as problem JSON. Only where and what: pydantic's `input` and `ctx` echo the caller's
     values back (a secret sent in the wrong field would land in the response and in logs)."""
     problem = Problem(
@@ -141,7 +141,7 @@ class ProblemRoute(APIRoute):
             try:
                 return await handle(request)
             except RequestValidationError as exc:
-                return _invalid_request(request, exc)
+                return invalid_request(request, exc)
             except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
                 return problem_response(request, exc)
 

@@ -12,10 +12,14 @@ match the schema (FastAPI's default 422 would be plain JSON echoing the input ba
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.responses import Response
 
 from app import credentials
 from app.auth.principal import Principal
@@ -45,23 +49,71 @@ from app.integration_api.problems import (
     TooManyFailedAuthentications,
     UnknownIssuer,
     UnknownProvider,
+    invalid_request,
+    problem_response,
     problem_responses,
 )
 from app.integration_api.services import Service
+from app.jsonbytes import may_hold_unusable_text, unusable_text
 from app.limits import client_key
 from app.runtime import Runtime
 from app.storable import StorableText
 
-router = APIRouter(
-    prefix="/api/v1",
-    tags=["integration"],
-    route_class=ProblemRoute,
-    responses=problem_responses(401, 422, 429),
-)
 service_secret = HTTPBearer(
     auto_error=False,
     scheme_name="ServiceSecret",
     description="The secret `connect-broker service create` printed (`cbs_…`).",
+)
+
+
+class ServiceRoute(ProblemRoute):
+    """Authenticates the calling service first, then reads and checks the body, then runs the
+    route.
+
+    FastAPI reads and parses a body before it solves the route's dependencies: with the secret
+    checked as a dependency, anyone who can reach the port could have any body read and parsed
+    (memory and CPU). Read here, the body also meets the cap (app/middleware.py `BodyLimit`)
+    outside FastAPI's read, which would turn the 413 into a 400. A string holding a NUL or an
+    unpaired surrogate is refused (422) here, for every field: FastAPI's JSON parser accepts both,
+    and a field typed `Any` would carry them to the database or to the answer.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def authenticated_first(request: Request) -> Response:
+            try:
+                request.state.service = await _authenticate(request)
+            except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
+                return problem_response(request, exc)
+            if self.body_field is not None:
+                body = await request.body()  # kept by the request for FastAPI's own read
+                reason = _unusable_body_text(body)
+                if reason is not None:
+                    error = {"loc": ("body",), "msg": f"Strings must not hold {reason}"}
+                    return invalid_request(
+                        request, RequestValidationError([{**error, "type": "string_unusable"}])
+                    )
+            return await handle(request)
+
+        return authenticated_first
+
+
+def _unusable_body_text(body: bytes) -> str | None:
+    if not may_hold_unusable_text(body):
+        return None
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # not JSON: FastAPI's own read answers
+    return unusable_text(document)
+
+
+router = APIRouter(
+    prefix="/api/v1",
+    tags=["integration"],
+    route_class=ServiceRoute,
+    responses=problem_responses(401, 422, 429),
 )
 UserIssuer = Annotated[
     StorableText, Query(min_length=1, max_length=255, description="the user's `iss`")
@@ -74,10 +126,18 @@ UserSubject = Annotated[
 
 async def calling_service(
     request: Request,
-    runtime: RuntimeDep,
-    presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
+    _presented: Annotated[HTTPAuthorizationCredentials | None, Depends(service_secret)],
 ) -> Service:
-    """The authenticated sibling (looked up through the direct store, holding no session)."""
+    """The sibling `ServiceRoute` authenticated (the parameter documents the scheme)."""
+    service: Service = request.state.service
+    return service
+
+
+async def _authenticate(request: Request) -> Service:
+    """The sibling presenting the secret (looked up through the direct store, holding no
+    session)."""
+    runtime: Runtime = request.app.state.runtime
+    presented = await service_secret(request)
     if presented is None:
         raise InvalidServiceCredentials()
     address = client_key(request.scope.get("client"))

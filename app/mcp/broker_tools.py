@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from app import credentials
@@ -17,6 +18,8 @@ from app.mcp.registry import (
 )
 from app.models import BROKER_AUDIENCE
 from app.runtime import Runtime
+
+SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+")  # RFC 6749 §3.3: no NUL, space, quote
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
 CONFIRM_KEY = "confirm_disconnect"
@@ -91,6 +94,13 @@ class BrokerTools:
         scopes: list[str] = call.arguments.get("scopes") or []
         if provider not in self.providers:
             return self._unknown_provider(provider)
+        if not isinstance(scopes, list) or not all(
+            isinstance(s, str) and SCOPE_TOKEN.fullmatch(s) for s in scopes
+        ):
+            return ToolResult(
+                text="scopes must be a list of OAuth scope names (printable ASCII, no spaces)",
+                is_error=True,
+            )
         settings = self.providers[provider]
         wanted = tuple(scopes) if settings.kind != "api_key" else ()
         credential = await call.connections.require(provider, wanted)

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from app.jsonbytes import may_hold_unusable_text, unusable_text
 from app.mcp.protocol import (
     HEADER_MISMATCH,
     INVALID_PARAMS,
@@ -61,6 +62,10 @@ class _DuplicateKey(ValueError):
     pass
 
 
+class _UnusableText(ValueError):
+    """A string no answer could echo (app/jsonbytes.py `unusable_text`)."""
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) != len(pairs):
@@ -84,6 +89,10 @@ def _decode(body: bytes) -> Any:
     missing from its output). Anything else (spaces, escapes written differently, a duplicate,
     a value orjson refuses) is parsed again by the standard library with the duplicate check,
     which decides what the body is.
+
+    A string holding an unpaired surrogate raises `_UnusableText` (orjson refuses one, so only
+    the standard library's path looks). A NUL is a character like any other here: tool
+    arguments may carry one on to a provider.
     """
     try:
         document = orjson.loads(body)
@@ -92,19 +101,28 @@ def _decode(body: bytes) -> Any:
     else:
         if orjson.dumps(document) == body:
             return document
-    return _DECODER.decode(body.decode("utf-8"))
+    document = _DECODER.decode(body.decode("utf-8"))
+    if may_hold_unusable_text(body, allow_nul=True):
+        reason = unusable_text(document, allow_nul=True)
+        if reason is not None:
+            raise _UnusableText(reason)
+    return document
 
 
 def parse_body(body: bytes) -> Message:
     """Parse one JSON-RPC message (not yet checked against headers).
 
     Raises:
-        JsonRpcError: -32700 for bad JSON, -32600 for anything but a single valid request.
+        JsonRpcError: -32700 for bad JSON, -32600 for anything but a single valid request
+            (also for an unpaired surrogate in any string: the id itself may be one, and no
+            answer could echo it).
     """
     try:
         document = _decode(body)
     except _DuplicateKey:
         raise _invalid("Duplicate keys in a JSON object are not accepted") from None
+    except _UnusableText as exc:
+        raise _invalid(f"Strings must not hold {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise JsonRpcError(
             PARSE_ERROR, "Parse error: the body is not valid JSON", http_status=400
