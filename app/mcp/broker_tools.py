@@ -16,6 +16,7 @@ from app.mcp.registry import (
     ToolResult,
 )
 from app.models import BROKER_AUDIENCE
+from app.providers.settings import is_scope_token
 from app.runtime import Runtime
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
@@ -93,6 +94,13 @@ class BrokerTools:
         if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
             return ToolResult(text="scopes must be a list of strings", is_error=True)
         settings = self.providers[provider]
+        separator = getattr(settings, "scope_separator", " ")
+        if not all(is_scope_token(scope, separator) for scope in scopes):
+            return ToolResult(
+                text="scopes: each entry must be one scope, without spaces, commas or control "
+                "characters",
+                is_error=True,
+            )
         wanted = tuple(scopes) if settings.kind != "api_key" else ()
         credential = await call.connections.require(provider, wanted)
         account = credential.account_label
