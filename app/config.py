@@ -32,6 +32,7 @@ from pydantic import (
 from app.config_sources import SECTIONS, read_raw
 from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
 from app.config_sources import config_path as config_path
+from app.display import display_text
 from app.providers.presets import apply_preset
 from app.providers.settings import (
     ApiKeyProviderSettings,
@@ -225,7 +226,7 @@ class Settings:
     def service_display_name(self, name: str) -> str:
         """How pages name a sibling service: its configured `display_name`, else its name."""
         service = self.services.get(name)
-        return service.display_name if service and service.display_name else name
+        return display_text(service.display_name if service and service.display_name else name)
 
 
 def validate_public_url(value: str) -> str:

@@ -11,6 +11,8 @@ Migrations run unbounded: building an index on a large table may take longer tha
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -78,13 +80,23 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+def private_sqlite_file(file: str) -> None:
+    """Create a missing database directory 0700 and database file 0600 (SQLite gives its -wal
+    and -shm files the database file's mode): they hold the sealed credentials. Existing ones
+    keep the mode their owner gave them."""
+    path = Path(file)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> AsyncEngine:
     """An engine whose statements wait at most STATEMENT_WAIT_SECONDS, unless not `bounded`."""
     target = async_url(url)
     if target.get_backend_name() == "sqlite":
         file = target.database if target.database != ":memory:" else None
         if file:
-            Path(file).parent.mkdir(parents=True, exist_ok=True)
+            private_sqlite_file(file)
         lock_wait = STATEMENT_WAIT_SECONDS if bounded else MIGRATION_LOCK_WAIT_SECONDS
         engine = create_async_engine(
             target,

@@ -5,9 +5,10 @@ Two budgets (SECURITY.md T21; MCP servers must rate-limit tool invocations):
   requests, in bursts of up to `user_burst`;
 - each client address may present `failed_auths_per_minute` credentials that turn out wrong (MCP
   tokens, service secrets), in bursts of up to `failed_auth_burst`. Once that is spent, its
-  requests are refused before any signature check or lookup, except those with a token this
-  process has already verified (users behind the same address keep working). A token of ours
-  that has only expired is not wrong: its client is due to refresh.
+  requests are refused before any signature check or lookup, except those with a token or
+  service secret this process has already verified (users and sibling servers behind the same
+  address, a shared NAT, keep working). A token of ours that has only expired is not wrong: its
+  client is due to refresh.
 A budget of 0 turns that limit off. The buckets live in each process: with N processes (replicas,
 `serve --workers N`), a client gets up to N times the budget.
 """
@@ -15,8 +16,10 @@ A budget of 0 turns that limit off. The buckets live in each process: with N pro
 from __future__ import annotations
 
 import functools
+import hashlib
 import ipaddress
 import math
+import secrets
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from app.config import LimitSettings
 
 MAX_KEYS = 100_000  # buckets kept per limit; past it, refilled buckets are dropped first
+MAX_KNOWN_SECRETS = 10_000  # verified service secrets remembered (as digests); past it, none
 IPV6_PREFIX = 64  # one IPv6 client is a /64: a host picks addresses within it at will
 
 
@@ -137,6 +141,21 @@ class RateLimits:
     ) -> None:
         self.users = TokenBuckets(user_requests_per_minute, user_burst, clock=clock)
         self.failed_auths = TokenBuckets(failed_auths_per_minute, failed_auth_burst, clock=clock)
+        self._known_secrets: set[bytes] = set()
+        self._digest_key = secrets.token_bytes(32)  # digests mean nothing outside this process
+
+    def _digest(self, secret: str) -> bytes:
+        return hashlib.blake2b(secret.encode(), digest_size=16, key=self._digest_key).digest()
+
+    def remember_secret(self, secret: str) -> None:
+        """A service secret this process verified: a lockout of its address does not stop it.
+        Only a keyed 16-byte digest is kept, never the secret."""
+        if len(self._known_secrets) >= MAX_KNOWN_SECRETS:
+            self._known_secrets.clear()
+        self._known_secrets.add(self._digest(secret))
+
+    def known_secret(self, secret: str) -> bool:
+        return self._digest(secret) in self._known_secrets
 
     def failed_auth(self, address: str) -> bool:
         """Count a wrong credential from `address`: True if that spent its budget."""

@@ -65,10 +65,13 @@ class Runtime:
         security_log.warning("%s %s", event, details)
         self.metrics.security_event(event)
 
-    def failed_auth_wait(self, address: str) -> float:
-        """Seconds until `address` may present a new credential (0.0: now); a request refused
-        for it is counted in the metrics."""
+    def failed_auth_wait(self, address: str, secret: str | None = None) -> float:
+        """Seconds until `address` may present a new credential (0.0: now; at once for a service
+        `secret` this process has verified before); a request refused for it is counted in the
+        metrics."""
         wait = self.limits.failed_auths.wait(address)
+        if wait and secret is not None and self.limits.known_secret(secret):
+            return 0.0
         if wait:
             self.metrics.refused("failed_auths")
         return wait

@@ -5,15 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
+from app.display import display_text
 from app.resources import resource_dir
+
+
+def _shown(value: Any) -> Any:
+    """Every `{{ … }}` of a page: text neutralised (app/display.py) before it is escaped; the
+    output of macros (already built from neutralised values) as it is."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return display_text(value, limit=None)
+    return value
+
 
 _environment = Environment(
     loader=FileSystemLoader(resource_dir("templates")),
     autoescape=select_autoescape(default=True, default_for_string=True),
     auto_reload=False,
+    finalize=_shown,
 )
 
 

@@ -379,13 +379,12 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
         def get(path: str, bearer: str) -> Any:
             return http.get(path, params=query, headers={"Authorization": f"Bearer {bearer}"})
 
-        assert (await get(fastapi_route, secret)).status_code == 200
         for path in (fast_path, fastapi_route, fast_path):
             failed = await get(path, wrong)
             assert failed.status_code == 401
             assert failed.json()["type"] == "urn:connect-broker:error:invalid_service_credentials"
         for path in (fast_path, fastapi_route):
-            for bearer in (wrong, secret):  # its own secret is not looked up either
+            for bearer in (wrong, secret):  # a secret never verified here is not looked up either
                 refused = await get(path, bearer)
                 assert refused.status_code == 429, (path, refused.text)
                 assert refused.headers["content-type"] == "application/problem+json"
@@ -399,6 +398,43 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
         assert await refusals(limited_broker) == {"failed_auths": 4}
         await asyncio.sleep(int(refused.headers["retry-after"]) + 0.2)
         assert (await get(fast_path, secret)).status_code == 404  # served: hana has no key
+
+
+async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_lockout(
+    limited_broker: BrokerProcess, idp: IdpProcess
+) -> None:
+    """L10. Siblings behind one address (a shared NAT): wrong secrets from one of them spend the
+    address's budget, and a secret this broker has verified keeps being served on both paths,
+    as verified MCP tokens are, while the wrong ones are refused unchecked."""
+    created = cli("service", "create", "nat-sibling", config_path=limited_broker.config_path)
+    assert created.returncode == 0, created.stderr
+    secret = created.stdout.strip()
+    wrong = "cbs_" + secrets.token_urlsafe(32)
+    query = {"issuer": idp.issuer, "subject": "ivan"}
+    async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
+
+        def get(path: str, bearer: str) -> Any:
+            return http.get(path, params=query, headers={"Authorization": f"Bearer {bearer}"})
+
+        assert (await get("/api/v1/credentials/demo", secret)).status_code == 404  # verified
+        window = LogWindow(limited_broker)
+        for _ in range(BURST):
+            assert (await get("/api/v1/connections", wrong)).status_code == 401
+        assert await window.shows("auth.failed_auth_limit_reached address=127.0.0.1")
+        assert (await get("/api/v1/connections", wrong)).status_code == 429
+
+        served = [
+            await get("/api/v1/credentials/demo", secret),  # the fast path: ivan has no key
+            await get("/api/v1/credentials/demo?via=fastapi", secret),  # the FastAPI route
+            await get("/api/v1/connections", secret),
+        ]
+        refused = await get("/api/v1/credentials/demo", wrong)
+
+    assert [answer.status_code for answer in served] == [404, 404, 200]
+    assert refused.status_code == 429
+    assert refused.json()["type"] == "urn:connect-broker:error:too_many_failed_authentications"
+    assert secret not in limited_broker.log() and wrong not in limited_broker.log()
+    assert await refusals(limited_broker) == {"failed_auths": 2}
 
 
 async def test_a_sibling_refused_for_its_address_answers_a_retryable_error_result(

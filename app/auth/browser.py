@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -117,13 +118,27 @@ def set_cookie(response: Response, name: str, value: str, *, max_age: int) -> No
 
 
 def same_origin_post(request: Request, public_origin: str) -> bool:
-    """Reject cross-site form posts by Sec-Fetch-Site, else Origin (SECURITY.md G2, T20).
+    """Reject cross-site form posts by Sec-Fetch-Site, else Origin, else Referer (SECURITY.md
+    G2, T20, §5.5).
 
     Browsers that send Fetch Metadata say `same-origin` for our own forms, even when the page's
-    referrer policy makes them send `Origin: null`; without it, Origin must be absent or ours.
+    referrer policy makes them send `Origin: null`; without it, Origin must be absent or ours,
+    and without Origin a Referer, when sent, must be ours (our pages send it to us only).
     """
     site = request.headers.get("sec-fetch-site")
     if site is not None:
         return site == "same-origin"
     origin = request.headers.get("origin")
-    return origin is None or origin == public_origin
+    if origin is not None:
+        return origin == public_origin
+    referer = request.headers.get("referer")
+    return referer is None or _origin_of(referer) == public_origin
+
+
+def _origin_of(url: str) -> str | None:
+    """`scheme://host[:port]` of an absolute URL, None for anything else."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None

@@ -30,6 +30,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, constant_time_equal, random_token, seal, unseal
 from app.deps import RuntimeDep, SessionDep
+from app.display import display_text
 from app.errors import BadLogin, CsrfFailed, ServiceUnavailable
 from app.templating import render
 
@@ -236,7 +237,7 @@ def _display_name(claims: dict[str, Any]) -> str | None:
     for key in ("preferred_username", "name", "sub"):
         value = claims.get(key)
         if isinstance(value, str) and value:
-            return value
+            return display_text(value)
     return None
 
 

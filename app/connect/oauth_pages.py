@@ -152,12 +152,12 @@ async def _exchange_and_store(
             verifier=verifier,
             requested=flow.scopes,
         )
-        await oauth_service.verify_id_token(runtime, provider, tokens, state)
+        id_claims = await oauth_service.verify_id_token(runtime, provider, tokens, state)
     except oauth.UpstreamError as exc:
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
-    label = await oauth.account_label(provider, runtime.http, tokens)
+    label = await oauth.account_label(provider, runtime.http, tokens, id_claims)
     await oauth_service.complete(session, runtime, flow=flow, tokens=tokens, label=label)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from joserfc import jws, jwt
 from joserfc.errors import JoseError
@@ -247,14 +248,15 @@ async def provider_refused(
 
 async def verify_id_token(
     runtime: Runtime, provider: OAuthProviderSettings, tokens: oauth.TokenSet, state: str
-) -> None:
+) -> dict[str, Any]:
     """For `oidc` providers: the ID token must be signed by the issuer, for us, with our nonce.
+    Returns its claims ({} for other providers).
 
     Raises:
         oauth.UpstreamError: missing or invalid ID token.
     """
     if provider.kind != "oidc":
-        return
+        return {}
     if tokens.id_token is None:
         raise oauth.UpstreamError("id_token_missing")
     assert provider.issuer is not None
@@ -274,3 +276,4 @@ async def verify_id_token(
         ).validate(decoded.claims)
     except (JoseError, ValueError, JwksUnavailable):
         raise oauth.UpstreamError("id_token_invalid") from None
+    return dict(decoded.claims)

@@ -81,9 +81,8 @@ def show_flow(
     context: dict[str, Any] = {
         "flow_id": flow.id,
         "provider_name": provider.display_name if provider else flow.provider,
-        "client_name": flow.client_name or flow.client_id or "your MCP client",
-        "client_id": flow.client_id,
-        "user_name": user.display_name or user.principal.subject,
+        **_client(runtime, flow),
+        **_signed_in_as(user),
         "csrf_token": runtime.browser_sessions.csrf_token(user),
         "account_label": flow.account_label,
     }
@@ -197,7 +196,7 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
     return render(
         request,
         "connections.html",
-        user_name=user.display_name or user.principal.subject,
+        **_signed_in_as(user),
         csrf_token=runtime.browser_sessions.csrf_token(user),
         connections=[
             {
@@ -238,6 +237,28 @@ async def disconnect(
             "settings.",
         )
     return RedirectResponse("/connections", status_code=303)
+
+
+def _client(runtime: Runtime, flow: FlowView) -> dict[str, str | None]:
+    """Who asks, for the page: the name a client declared for itself (shown as its own claim),
+    its client id, and for a sibling's flow the registered service relaying it (its stored
+    name reads "<service> (via <declared name>)", app/integration_api/broker.py)."""
+    if flow.audience == BROKER_AUDIENCE:
+        return {"client_name": flow.client_name, "client_id": flow.client_id, "service": None}
+    service = runtime.settings.service_display_name(flow.audience)
+    stored = flow.client_name or service
+    prefix = f"{service} (via "
+    if stored.startswith(prefix) and stored.endswith(")"):
+        return {"client_name": stored[len(prefix) : -1], "client_id": None, "service": service}
+    return {"client_name": None, "client_id": None, "service": stored}
+
+
+def _signed_in_as(user: BrowserUser) -> dict[str, Any]:
+    """Who the page says is signed in: the identity the broker checks (a display name can say
+    anything, e.g. `preferred_username`), and the IdP's name for them when that differs."""
+    identity = user.principal.subject
+    idp_name = user.display_name if user.display_name != identity else None
+    return {"user_name": identity, "idp_name": idp_name}
 
 
 def _used_by(runtime: Runtime, audience: str) -> str:

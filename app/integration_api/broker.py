@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,11 +21,12 @@ from app.connect.refresh import KnownRows, usable_credential
 from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.credentials import Credential
+from app.display import display_text
 from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.mcp.protocol import JsonRpcError
 from app.models import FlowStatus
-from app.providers.settings import OAuthProviderSettings
+from app.providers.settings import SCOPE_PATTERN, OAuthProviderSettings
 from app.runtime import Runtime
 from app.storable import StorableText
 
@@ -61,7 +62,9 @@ class RequireRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     user: UserRef
-    scopes: list[StorableText] = Field(default_factory=list, max_length=50)
+    scopes: list[Annotated[str, Field(pattern=SCOPE_PATTERN)]] = Field(
+        default_factory=list, max_length=50, description="one scope per entry"
+    )
     client_capabilities: dict[str, Any] = Field(
         default_factory=dict, description="the MCP client's clientCapabilities of this request"
     )
@@ -254,7 +257,7 @@ async def require_connection(
         )
     )
     name = runtime.settings.service_display_name(service.name)
-    client = f"{name} (via {body.client_name})" if body.client_name else name
+    client = f"{name} (via {display_text(body.client_name)})" if body.client_name else name
     try:
         flow = await flows.create(
             runtime.direct,

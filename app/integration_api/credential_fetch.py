@@ -29,7 +29,7 @@ from app.errors import (
 )
 from app.integration_api import services
 from app.integration_api.problems import InvalidServiceCredentials, problem_response
-from app.integration_api.routes import credential_for, refuse_spent_address
+from app.integration_api.routes import NO_STORE, credential_for, refuse_spent_address
 from app.json_message import JsonMessage
 from app.limits import client_key
 from app.middleware import first_header
@@ -100,7 +100,7 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
         if scheme.lower() != "bearer" or not secret:
             raise InvalidServiceCredentials()
         address = client_key(scope.get("client"))
-        refuse_spent_address(runtime, address)
+        refuse_spent_address(runtime, address, secret)
         found = await services.authenticate_with_own_connection(
             runtime.direct,
             keys=runtime.signing_keys,
@@ -111,11 +111,12 @@ async def credential_fetch(scope: Scope, receive: Receive, send: Send) -> None:
         if found is None:
             runtime.note_failed_authentication(address)
             raise InvalidServiceCredentials()
+        runtime.limits.remember_secret(secret)
         service, own = found
         usable = await credential_for(
             runtime, service, provider, issuer, subject, known={(provider, service.name): own}
         )
-        response: Response = JsonMessage(usable.document(), 200, None)
+        response: Response = JsonMessage(usable.document(), 200, NO_STORE)
     except BrokerError as exc:
         response = problem_response(Request(scope, receive), exc)
     except DATABASE_ERRORS as exc:

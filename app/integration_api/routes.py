@@ -16,10 +16,9 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.responses import Response
 
 from app import credentials
 from app.auth.principal import Principal
@@ -118,6 +117,7 @@ router = APIRouter(
 UserIssuer = Annotated[
     StorableText, Query(min_length=1, max_length=255, description="the user's `iss`")
 ]
+NO_STORE = {"Cache-Control": "no-store"}  # on every answer that carries a credential
 UserSubject = Annotated[
     StorableText,
     Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)"),
@@ -141,20 +141,21 @@ async def _authenticate(request: Request) -> Service:
     if presented is None:
         raise InvalidServiceCredentials()
     address = client_key(request.scope.get("client"))
-    refuse_spent_address(runtime, address)
+    refuse_spent_address(runtime, address, presented.credentials)
     service = await services.authenticate(
         runtime.direct, keys=runtime.signing_keys, secret=presented.credentials
     )
     if service is None:
         runtime.note_failed_authentication(address)
         raise InvalidServiceCredentials()
+    runtime.limits.remember_secret(presented.credentials)
     return service
 
 
-def refuse_spent_address(runtime: Runtime, address: str) -> None:
+def refuse_spent_address(runtime: Runtime, address: str, secret: str) -> None:
     """429 for an address that has spent its budget of failed authentications: its secret is
-    not looked up (app/limits.py)."""
-    wait = runtime.failed_auth_wait(address)
+    not looked up, unless this process has verified that secret before (app/limits.py)."""
+    wait = runtime.failed_auth_wait(address, secret)
     if wait:
         raise TooManyFailedAuthentications(wait)
 
@@ -182,12 +183,18 @@ def _principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
     responses=problem_responses(400, 403, 404),
 )
 async def require(
-    provider: str, body: RequireRequest, runtime: RuntimeDep, service: CallingService
+    provider: str,
+    body: RequireRequest,
+    runtime: RuntimeDep,
+    service: CallingService,
+    response: Response,
 ) -> ConnectOutcome:
     """The user's credential, or the input-required payload to return to the MCP client."""
     _provider(runtime, service, provider)
     principal = _principal(runtime, body.user.issuer, body.user.subject)
-    return await require_connection(runtime, service, provider, principal, body)
+    return _not_stored(
+        response, await require_connection(runtime, service, provider, principal, body)
+    )
 
 
 @router.post(
@@ -197,12 +204,25 @@ async def require(
     responses=problem_responses(400, 403, 404),
 )
 async def resume(
-    provider: str, body: ResumeRequest, runtime: RuntimeDep, service: CallingService
+    provider: str,
+    body: ResumeRequest,
+    runtime: RuntimeDep,
+    service: CallingService,
+    response: Response,
 ) -> ConnectOutcome:
     """On the client's retry: the echoed requestState and the client's inputResponses entry."""
     _provider(runtime, service, provider)
     principal = _principal(runtime, body.user.issuer, body.user.subject)
-    return await resume_connection(runtime, service, provider, principal, body)
+    return _not_stored(
+        response, await resume_connection(runtime, service, provider, principal, body)
+    )
+
+
+def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
+    """An answer carrying a credential must not be kept by any cache on the way."""
+    if outcome.credential is not None:
+        response.headers.update(NO_STORE)
+    return outcome
 
 
 @router.get(
@@ -217,9 +237,12 @@ async def credential(
     service: CallingService,
     issuer: UserIssuer,
     subject: UserSubject,
+    response: Response,
 ) -> CredentialView:
     """A usable credential (OAuth access tokens are refreshed first when they expire soon)."""
-    return (await credential_for(runtime, service, provider, issuer, subject)).view()
+    found = await credential_for(runtime, service, provider, issuer, subject)
+    response.headers.update(NO_STORE)
+    return found.view()
 
 
 async def credential_for(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from app import credentials
@@ -17,9 +16,8 @@ from app.mcp.registry import (
     ToolResult,
 )
 from app.models import BROKER_AUDIENCE
+from app.providers.settings import is_scope_token
 from app.runtime import Runtime
-
-SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+")  # RFC 6749 §3.3: no NUL, space, quote
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
 CONFIRM_KEY = "confirm_disconnect"
@@ -94,14 +92,14 @@ class BrokerTools:
         scopes: list[str] = call.arguments.get("scopes") or []
         if provider not in self.providers:
             return self._unknown_provider(provider)
-        if not isinstance(scopes, list) or not all(
-            isinstance(s, str) and SCOPE_TOKEN.fullmatch(s) for s in scopes
-        ):
+        settings = self.providers[provider]
+        separator = getattr(settings, "scope_separator", " ")
+        if not all(is_scope_token(scope, separator) for scope in scopes):
             return ToolResult(
-                text="scopes must be a list of OAuth scope names (printable ASCII, no spaces)",
+                text="scopes: each entry must be one scope, without spaces, commas or control "
+                "characters",
                 is_error=True,
             )
-        settings = self.providers[provider]
         wanted = tuple(scopes) if settings.kind != "api_key" else ()
         credential = await call.connections.require(provider, wanted)
         account = credential.account_label

@@ -18,6 +18,7 @@ from app.connect.refresh import KnownRows, usable_credential
 from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
 from app.credentials import Credential
+from app.display import display_text
 from app.mcp.arguments import check_arguments
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
@@ -98,7 +99,7 @@ class CallToolRound:
         self.input_responses = _input_responses(params)
         client_info = message.meta.get(META_CLIENT_INFO)
         name_value = client_info.get("name") if isinstance(client_info, dict) else None
-        self.client_name = name_value[:255] if isinstance(name_value, str) else None
+        self.client_name = display_text(name_value) if isinstance(name_value, str) else None
 
     async def run(self, headers: HeaderMap) -> dict[str, Any]:
         check_param_headers(headers, self.tool.input_schema, self.arguments)

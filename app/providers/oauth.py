@@ -20,7 +20,8 @@ from urllib.parse import urlencode
 import httpx2
 
 from app.crypto import b64encode
-from app.providers.settings import OAuthProviderSettings
+from app.display import display_text
+from app.providers.settings import OAuthProviderSettings, is_scope_token
 from app.providers.upstream import UpstreamError as UpstreamError  # callers catch it as oauth.*
 from app.providers.upstream import get_api_json as get_api_json
 from app.providers.upstream import get_json, parse_body, send_capped
@@ -37,6 +38,9 @@ INVALID_GRANT_ERRORS = {
     "invalid_refresh_token",
 }
 
+
+# What names an OpenID provider's account without `account_label_claim`, best first
+ID_TOKEN_LABEL_CLAIMS = ("preferred_username", "email", "sub")
 
 # A revocation answered with these finds the token already dead: what revoking it was for.
 TOKEN_GONE_ERRORS = {"invalid_auth", "token_revoked", "token_expired", "account_inactive"}
@@ -136,13 +140,17 @@ async def refresh(
 
 
 async def account_label(
-    provider: OAuthProviderSettings, http: httpx2.AsyncClient, tokens: TokenSet
+    provider: OAuthProviderSettings,
+    http: httpx2.AsyncClient,
+    tokens: TokenSet,
+    id_claims: dict[str, Any] | None = None,
 ) -> str | None:
     """How the account is named to the user ("@octocat"); None if it cannot be read (F9: the
-    connection is kept, the page shows no name)."""
+    connection is kept, the page shows no name). Without `account_label_claim`, an OpenID
+    provider's account is named by its verified ID token (`id_claims`)."""
     claim = provider.account_label_claim
     if claim is None:
-        return None
+        return _id_token_label(provider, id_claims or {})
     document: Any = tokens.extra
     if provider.userinfo_url:
         try:
@@ -158,7 +166,15 @@ async def account_label(
         document = document.get(part) if isinstance(document, dict) else None
     if not isinstance(document, str | int) or isinstance(document, bool):
         return None
-    return f"{provider.account_label_prefix}{document}"[:255]
+    return display_text(f"{provider.account_label_prefix}{document}")
+
+
+def _id_token_label(provider: OAuthProviderSettings, claims: dict[str, Any]) -> str | None:
+    for name in ID_TOKEN_LABEL_CLAIMS:
+        value = claims.get(name)
+        if isinstance(value, str) and value:
+            return display_text(f"{provider.account_label_prefix}{value}")
+    return None
 
 
 async def revoke(
@@ -285,7 +301,7 @@ def _token_set(
         expires_at = datetime.now(UTC) + timedelta(seconds=int(expires_in))
     granted = fields.get("scope")
     if isinstance(granted, str):
-        scopes = frozenset(granted.replace(",", " ").split())
+        scopes = frozenset(s for s in granted.replace(",", " ").split() if is_scope_token(s))
     else:
         scopes = frozenset(requested)
     extra = {

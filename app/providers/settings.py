@@ -18,11 +18,19 @@ from pydantic import (
     model_validator,
 )
 
+from app.display import display_text
+
 
 class _Provider(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     display_name: str = Field(min_length=1, max_length=80)
+
+    @field_validator("display_name", "label", check_fields=False)
+    @classmethod
+    def _shown_as_is(cls, value: str) -> str:
+        """Names pages show: no invisible characters that would change what they seem to say."""
+        return display_text(value)
 
 
 class ApiKeyValidation(BaseModel):
@@ -82,6 +90,17 @@ class ApiKeyProviderSettings(_Provider):
 PresetName = Literal[
     "github", "gitlab", "google", "slack", "microsoft", "atlassian", "linear", "notion"
 ]
+# One RFC 6749 §3.3 scope-token (printable ASCII but space, `"` and `\\`), less the comma some
+# providers separate scopes with: a value holding a separator would ask for several scopes.
+SCOPE_PATTERN = r"^[\x21\x23-\x2b\x2d-\x5b\x5d-\x7e]{1,256}$"
+_SCOPE_PATTERN = re.compile(SCOPE_PATTERN)
+
+
+def is_scope_token(value: str, separator: str = " ") -> bool:
+    """True for one scope, as the provider's `scope_separator` would keep it apart."""
+    return bool(_SCOPE_PATTERN.fullmatch(value)) and separator not in value
+
+
 HTTP_URL = re.compile(r"^https?://[^\s/?#@]+(/[^\s#]*)?$")
 
 
@@ -148,6 +167,16 @@ class OAuthProviderSettings(_Provider):
         if "openid" not in value:
             raise ValueError("an oidc provider must ask for the openid scope")
         return value
+
+    @model_validator(mode="after")
+    def _single_scopes(self) -> OAuthProviderSettings:
+        for scope in self.scopes:
+            if not is_scope_token(scope, self.scope_separator):
+                raise ValueError(
+                    f"scopes: {scope!r} is not a single scope (one scope per list entry, without "
+                    "spaces, commas or the scope_separator)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _oidc_needs_issuer(self) -> OAuthProviderSettings:

@@ -147,7 +147,10 @@ async def test_d3_owner_sees_the_api_key_form_naming_the_account_and_the_client(
     assert form["method"] == "post"
     assert len(form["inputs"]["csrf"]["value"]) >= 32
     assert f"Signed in as <strong>{user}</strong>" in page.text
-    assert "<strong>test-client</strong> asks to use your Demo API key" in page.text
+    assert (
+        "A client that calls itself <strong>“test-client”</strong> asks to use your Demo API key"
+        in page.text
+    )
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
 
 

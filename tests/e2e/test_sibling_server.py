@@ -285,7 +285,10 @@ async def test_sibling_tool_connects_github_in_the_browser_then_lists_the_repos(
     assert seen["login_page"].startswith(f"{deployment.idp.issuer}/interaction/")
     consent_url, consent_status, consent_text = seen["consent"]
     assert (consent_url, consent_status) == (url, 200)
-    assert "repo-bot (via e2e-official-client) asks to use your GitHub account" in consent_text
+    assert (
+        "repo-bot (via a client that calls itself “e2e-official-client”) asks to use your GitHub "
+        "account" in consent_text
+    )
     assert "repo" in consent_text.split()
     assert seen["landed"][:2] == (url, 200)
     assert "Connected as @octocat" in seen["landed"][2]

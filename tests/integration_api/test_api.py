@@ -488,7 +488,10 @@ async def test_require_starts_a_flow_owned_by_the_service_and_the_page_names_it(
         "demo",
     )
     assert page.status_code == 200
-    assert f"<strong>{api.name} (via Claude)</strong> asks to use your Demo API key" in page.text
+    assert (
+        f"<strong>{api.name}</strong> (via a client that calls itself “Claude”) asks to use your "
+        "Demo API key" in page.text
+    )
 
 
 async def test_k3_client_name_is_shown_escaped_after_the_service_name(
@@ -504,7 +507,10 @@ async def test_k3_client_name_is_shown_escaped_after_the_service_name(
     await browser.login_as(user["subject"], next_path=f"/connect/{flow_id}")
     page = await browser.get(f"/connect/{flow_id}")
 
-    assert f"<strong>{api.name} (via &lt;img src=x onerror=" in page.text
+    assert (
+        f"<strong>{api.name}</strong> (via a client that calls itself “&lt;img src=x onerror="
+        in (page.text)
+    )
     assert "<img src=x" not in page.text
 
 

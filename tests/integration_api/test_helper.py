@@ -333,7 +333,7 @@ async def test_tool_answers_the_brokers_elicitation_then_the_credential_on_the_r
     assert require_body["user"] == resume_body["user"] == {"issuer": idp.issuer, "subject": user}
     assert require_body["request_digest"] == resume_body["request_digest"]
     assert require_body["client_capabilities"]["elicitation"]["url"] == {}
-    assert f"{name} (via test-client)" in page
+    assert f"<strong>{name}</strong> (via a client that calls itself “test-client”)" in page
     assert resumed["status"] == "connected"
     assert second["structuredContent"] == {"sha256": fingerprint(API_KEY)}
     assert second["isError"] is False

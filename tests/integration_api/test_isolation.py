@@ -448,7 +448,7 @@ async def test_shared_and_own_connections_are_listed_with_their_owners(
 async def test_display_name_names_the_service_on_the_connect_page(
     sharing: Sharing, shared: SharingClients
 ) -> None:
-    """`[services.b] display_name` is how the page names the sibling: "Beta Tools (via Claude)"."""
+    """`[services.b] display_name` is how the page names the sibling, before the client's name."""
     b = shared.apis["b"]
     user = sharing.user("display")
     _, flow_id = input_required(await b.require("demo", user))
@@ -456,5 +456,8 @@ async def test_display_name_names_the_service_on_the_connect_page(
     await shared.browser.login_as(user["subject"], next_path=f"/connect/{flow_id}")
     page = await shared.browser.get(f"/connect/{flow_id}")
 
-    assert "<strong>Beta Tools (via Claude)</strong> asks to use your Demo API key" in page.text
+    assert (
+        "<strong>Beta Tools</strong> (via a client that calls itself “Claude”) asks to use your "
+        "Demo API key" in page.text
+    )
     assert (await flow_row(shared.db, flow_id) or {})["audience"] == "b"

@@ -59,7 +59,7 @@ async def test_sibling_gets_an_elicitation_then_the_credential(
     await api.aclose()
 
     assert first["status"] == "input_required"
-    assert "smoke-sibling (via Claude)" in page.text
+    assert "<strong>smoke-sibling</strong> (via a client that calls itself “Claude”)" in page.text
     assert resumed["status"] == "connected"
     assert resumed["credential"]["secret"] == "sk_CANARYKEY_sibling"
     assert fetched.json()["secret"] == "sk_CANARYKEY_sibling"

@@ -268,9 +268,12 @@ def cli(
     )
 
 
-def start_broker(config: BrokerConfig, workdir: Path, *, name: str = "broker") -> BrokerProcess:
+def start_broker(
+    config: BrokerConfig, workdir: Path, *, name: str = "broker", database_url: str | None = None
+) -> BrokerProcess:
+    """Migrate a fresh database (or `database_url`) and serve it."""
     workdir.mkdir(parents=True, exist_ok=True)
-    database_url = fresh_database(workdir, name)
+    database_url = database_url or fresh_database(workdir, name)
     config_path = workdir / f"{name}-{config.port}.toml"
     config_path.write_text(config.render(database_url))
     migrated = cli("migrate", config_path=config_path)
