@@ -76,11 +76,24 @@ MEANINGS: dict[str, str] = {
     "before the same link is issued again",
     "server.flow_ttl_seconds": "life of a connect link (and of its `requestState`)",
     "server.max_body_bytes": "largest `/mcp` request body; beyond it, 413",
+    "server.max_api_body_bytes": "largest request body on `/api/v1` and the browser forms "
+    "(1 KiB to 16 MiB), counted as it arrives, chunked or not; beyond it, 413. `/api/v1` "
+    "checks the service secret before it reads any body",
+    "server.header_timeout_seconds": "a connection must finish sending each request's headers "
+    "within this many seconds (from connecting, or from the first byte of a later request on a "
+    "kept-alive connection), or it is closed (`serve` only)",
+    "server.max_connections": "open connections one process keeps; one more is answered 503 "
+    "with `Retry-After: 1` and closed (`serve` only). Keep it under the process's descriptor "
+    "limit (`ulimit -n`)",
+    "server.docs_url": "absolute http(s) URL of your documentation, linked from the landing "
+    "page at `/`",
     "server.login_max_age_seconds": "a browser sign-in older than this must sign in again",
     "server.session_ttl_seconds": "life of a browser session at the broker",
     "server.metrics_token": "bearer token (32+ characters) a scrape of `/metrics` must present; "
     "unset, `/metrics` answers 404",
     "database.url": "`sqlite:///path` or `postgresql://user@host/db`; the driver is picked for you",
+    "database.password": "PostgreSQL's password, merged into `url` only where connections open "
+    "(use `password_file` with a secrets file); not with a password in `url`",
     "database.pool_size": "database connections per process: this many (and as many again as "
     "overflow) for SQLAlchemy, and on PostgreSQL up to this many for the hot-path statements",
     "identity.issuer": "required by `serve`: the OpenID provider whose JWT access tokens `/mcp` "
@@ -90,6 +103,8 @@ MEANINGS: dict[str, str] = {
     "identity.login_client_id": "required by `serve`: the broker's own login client at the "
     "identity provider",
     "identity.login_client_secret": "its secret",
+    "identity.default_scopes": "scopes the 401 challenge and the resource metadata name when "
+    "`required_scopes` is empty",
     "identity.required_scopes": "scopes every access token must carry (else 403 "
     "`insufficient_scope`)",
     "identity.algorithms": "JWS algorithms accepted on access tokens",
