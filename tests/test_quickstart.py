@@ -1,7 +1,7 @@
 """docs/quickstart.md, run as written: install, playground, the client script, the browser part.
 
 The commands are the page's own fenced blocks, each marked `<!-- quickstart: STEP -->`; nothing
-here repeats them. They run in a copy of the checkout (the files the image's build stage copies)
+here repeats them. They run in a fresh clone of the checkout's committed state
 with a virtual environment first on PATH, so `pip install` and `connect-broker` are the page's.
 One change is made to them: the page's port 8000 becomes a free one. Chromium plays the reader.
 """
@@ -25,7 +25,7 @@ from playwright.async_api import Page, async_playwright
 
 from .e2e.conftest import ACTION_TIMEOUT_MS, CHROMIUM, CHROMIUM_ARGS
 from .support.idp import free_port
-from .test_packaging import ROOT, build_context
+from .test_packaging import ROOT
 
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 DOC_PORT = "8000"
@@ -81,7 +81,7 @@ def checkout(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A copy of the checkout and the environment of a reader with a fresh virtual environment
     (it sees the machine's installed packages, so `pip` finds the dependencies offline)."""
     source = tmp_path / "connect-broker"
-    build_context(ROOT, source)
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(source)], check=True, timeout=60)
     venv = tmp_path / "venv"
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
