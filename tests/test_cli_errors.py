@@ -163,11 +163,11 @@ def test_an_unreadable_config_file_is_one_line(args: tuple[str, ...], tmp_path: 
 
 
 def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
-    """`dev-token` keeps the playground's state under ./data; here ./data is a file."""
+    """`dev` keeps the playground's state under ./data; here ./data is a file."""
     (tmp_path / "data").write_text("")
 
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "dev-token", "alice"],
+        [sys.executable, "-m", "app.cli", "dev", "--port", str(free_port())],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -32,6 +32,9 @@ async def database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A migrated SQLite file with a `turns` table recording who wrote in which order (a flow
     inserted by the direct store records itself there too)."""
     url = f"sqlite:///{tmp_path / 'gate.db'}"
+    # Before the migration, which opens an engine and so makes this file's gate (one per file
+    # and process, with the bound of that moment).
+    monkeypatch.setattr(app_db, "STATEMENT_WAIT_SECONDS", BOUND_SECONDS)
     await asyncio.to_thread(upgrade, url)
     with contextlib.closing(sqlite3.connect(tmp_path / "gate.db")) as connection:
         connection.execute("CREATE TABLE turns (n INTEGER PRIMARY KEY AUTOINCREMENT, who TEXT)")
@@ -40,7 +43,6 @@ async def database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             " BEGIN INSERT INTO turns (who) VALUES ('direct'); END"
         )
         connection.commit()
-    monkeypatch.setattr(app_db, "STATEMENT_WAIT_SECONDS", BOUND_SECONDS)
     return url
 
 

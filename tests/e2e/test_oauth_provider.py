@@ -120,7 +120,10 @@ async def test_h7_mcp_client_connects_a_generic_oidc_provider_through_the_browse
     flow_id = url.rsplit("/", 1)[1]
     consent_url, consent_status, consent_headers = seen["consent"]
     assert (consent_url, consent_status) == (url, 200)
-    assert seen["asks"] == f"{CLIENT_INFO.name} asks to use your Acme account on your behalf."
+    assert seen["asks"] == (
+        f"A client that calls itself “{CLIENT_INFO.name}” asks to use your Acme account on your "
+        "behalf."
+    )
     assert seen["scopes"] == ACME_SCOPES
     csp = consent_headers["content-security-policy"]
     assert re.search(r"form-action 'self' " + re.escape(provider_idp.issuer) + r"[ ;]", csp)
