@@ -9,8 +9,10 @@ argument and the rule it breaks, never the value that was sent: an argument may 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from typing import Any
 
+import orjson
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 
@@ -46,13 +48,32 @@ def compile_arguments_schema(schema: dict[str, Any]) -> ArgumentsValidator:
     return Draft202012Validator(schema)
 
 
+# Arguments a tool's schema accepted, by their canonical JSON: most calls repeat a few small
+# argument sets (`{"provider": "github"}`), and a verdict depends on nothing else. Only passes are
+# kept, so a refused value never decides another request's answer (docs/adr/0006).
+PASSED_LIMIT = 4096
+PASSED_KEY_BYTES = 512  # larger arguments are validated every time, never kept
+_passed: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+
+
 def check_arguments(tool_name: str, validator: ArgumentsValidator, arguments: Any) -> None:
     """Refuse arguments the tool's schema does not accept.
 
     Raises:
         JsonRpcError: -32602 naming the first (most relevant) argument at fault.
     """
+    try:
+        canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # e.g. an integer past 64 bits: checked, never kept
+        canonical = b""
+    key = (id(validator), canonical)
+    if canonical and key in _passed:
+        return
     if validator.is_valid(arguments):  # the common case, at half the cost of best_match
+        if canonical and len(canonical) <= PASSED_KEY_BYTES:
+            _passed[key] = None
+            if len(_passed) > PASSED_LIMIT:
+                _passed.popitem(last=False)
         return
     error = best_match(validator.iter_errors(arguments))
     if error is not None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from app.mcp import arguments
 from app.mcp.arguments import check_arguments, compile_arguments_schema
 from app.mcp.protocol import INVALID_PARAMS, JsonRpcError
 from app.mcp.registry import Tool, ToolCall, ToolRegistry, ToolResult
@@ -89,3 +90,26 @@ def test_L13_a_tool_with_an_invalid_input_schema_cannot_be_registered() -> None:
 
     with pytest.raises(ValueError, match="invalid inputSchema"):
         ToolRegistry().add(broken)
+
+
+def test_a_pass_is_remembered_and_a_refusal_never_is() -> None:
+    """The verdict cache (docs/adr/0006) keeps only arguments the schema accepted: the same
+    refused arguments are refused every time, and an accepted set is remembered."""
+    validator = compile_arguments_schema(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "additionalProperties": False}
+    )
+
+    def kept() -> set[bytes]:
+        return {key for owner, key in arguments._passed if owner == id(validator)}
+
+    for _ in range(2):
+        with pytest.raises(JsonRpcError):
+            check_arguments("t", validator, {"n": "x"})
+    assert kept() == set()
+    check_arguments("t", validator, {"n": 1})
+    check_arguments("t", validator, {"n": 1})
+    assert kept() == {b'{"n":1}'}
+    check_arguments("t", validator, {"n": 2**70})  # no JSON orjson writes: checked, not kept
+    with pytest.raises(JsonRpcError):
+        check_arguments("t", validator, {"n": 1.5})
+    assert kept() == {b'{"n":1}'}
