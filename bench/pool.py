@@ -24,8 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import service as flows
+from app.connect.notify import PostgresFlowNotifier
 from app.crypto import Keyring
-from app.db import create_engine, create_sessionmaker
+from app.db import create_engine, create_sessionmaker, is_sqlite
 from app.models import OPEN_FLOW_STATUSES, Flow, FlowStatus
 from tests.support.idp import mint_token
 
@@ -146,17 +147,10 @@ class RetryPreparation:
 
 async def prepare_retries(prep: RetryPreparation, users: list[tuple[str, str]]) -> list[Entry]:
     """A round-1 answer per user, its flow completed with a stored credential: retry entries."""
-    started: list[tuple[str, str, str]] = []  # (subject, request state, flow id)
-    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
-        for subject, token in users:
-            result = await post(http, prep.mcp_url, (token, call_body()))
-            if result.get("resultType") != "input_required":
-                raise PoolError(f"round 1 for {subject} did not ask for input: {result}")
-            url = result["inputRequests"][INPUT_KEY]["params"]["url"]
-            started.append((subject, result["requestState"], url.rsplit("/", 1)[1]))
-    await _complete_flows(prep, started)
+    started = await start_rounds(prep.mcp_url, users)
+    await complete_flows(prep, started)
     tokens = dict(users)
-    entries = [(tokens[subject], call_body(state)) for subject, state, _ in started]
+    entries = [(tokens[round_.subject], call_body(round_.request_state)) for round_ in started]
     async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
         sample = await post(http, prep.mcp_url, entries[0])
     if sample.get("resultType") != "complete" or sample.get("isError"):
@@ -164,24 +158,52 @@ async def prepare_retries(prep: RetryPreparation, users: list[tuple[str, str]]) 
     return entries
 
 
-async def _complete_flows(prep: RetryPreparation, started: list[tuple[str, str, str]]) -> None:
+@dataclass(frozen=True)
+class StartedRound:
+    """A user's round-1 answer: the requestState to retry with, and the flow it opened."""
+
+    subject: str
+    request_state: str
+    flow_id: str
+
+
+async def start_rounds(mcp_url: str, users: list[tuple[str, str]]) -> list[StartedRound]:
+    """Round 1 of connect_account for each (subject, token), CLIENT_CONCURRENCY at a time."""
+    limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+
+        async def one(subject: str, token: str) -> StartedRound:
+            async with limit:
+                result = await post(http, mcp_url, (token, call_body()))
+            if result.get("resultType") != "input_required":
+                raise PoolError(f"round 1 for {subject} did not ask for input: {result}")
+            url = result["inputRequests"][INPUT_KEY]["params"]["url"]
+            return StartedRound(subject, result["requestState"], url.rsplit("/", 1)[1])
+
+        return list(await asyncio.gather(*(one(subject, token) for subject, token in users)))
+
+
+async def complete_flows(prep: RetryPreparation, started: list[StartedRound]) -> None:
     """What the API-key page does: store the sealed credential, move the flow to completed."""
     keys = Keyring.parse(prep.sealing_keys)
     engine = create_engine(prep.database_url, pool_size=2)
+    notifier = None if is_sqlite(prep.database_url) else PostgresFlowNotifier(prep.database_url)
     try:
         async with create_sessionmaker(engine).begin() as session:
-            for subject, _, flow_id in started:
-                principal = Principal(issuer=prep.issuer, subject=subject)
+            for round_ in started:
+                principal = Principal(issuer=prep.issuer, subject=round_.subject)
                 await _store_api_key(session, keys, principal, audience="mcp")
                 moved = await flows.transition(
                     session,
-                    flow_id=flow_id,
+                    flow_id=round_.flow_id,
                     principal=principal,
                     from_statuses=(FlowStatus.pending,),
                     to_status=FlowStatus.completed,
                 )
                 if not moved:
-                    raise PoolError(f"flow of {subject} could not be completed")
+                    raise PoolError(f"flow of {round_.subject} could not be completed")
+                if notifier is not None:  # wakes a retry waiting on PostgreSQL at once
+                    await notifier.publish(session, round_.flow_id)
     finally:
         await engine.dispose()
 

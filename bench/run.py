@@ -27,11 +27,13 @@ processes compete for the CPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -66,10 +68,11 @@ DEMO_PROVIDER: dict[str, Any] = {
 CONNECTIONS = 32  # wrk connections by default; bench/instructions.py sends as many at once
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def argument_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark of the broker's hot paths takes (bench/scale.py adds its own)."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.run",
-        description=__doc__,
+        prog=prog,
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--duration", type=int, default=10, help="seconds per measured run")
@@ -84,7 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--credential-users", type=int, default=50, help="users in the credential scenario"
     )
     parser.add_argument("--pin", action="store_true", help="taskset: servers CPU 0, wrk CPU 1")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --db split into a list; exits through `parser.error` when an option is bad."""
     args.db = [kind.strip() for kind in args.db.split(",") if kind.strip()]
     unknown = set(args.db) - {"sqlite", "postgresql"}
     if unknown or not args.db:
@@ -105,6 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argument_parser("python -m bench.run", __doc__)
+    return checked(parser, parser.parse_args(argv))
+
+
 def round1_user_count(args: argparse.Namespace) -> int:
     """Enough users that none gets near the open-flow cap in one broker run (warm-up and measured
     run) at PEAK_RATE_GUESS requests/s (their open flows are expired before each run), but no
@@ -115,18 +127,29 @@ def round1_user_count(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> tuple[list[Row], list[str]]:
+    with prepared_bench(args, workdir) as bench:
+        rows = [row for kind in args.db for row in bench_database(bench, kind)]
+    return rows, bench.notes
+
+
+@contextlib.contextmanager
+def prepared_bench(
+    args: argparse.Namespace, workdir: Path, **broker_options: Any
+) -> Iterator[Bench]:
+    """The IdP, the round-1 users' tokens and the bare reference, running; `broker_options` go
+    to the brokers' BrokerConfig."""
     pin = Pinning.choose(args.pin)
     with running_idp(IdpConfig(), workdir) as idp:
-        config = BrokerConfig(issuer=idp.issuer, providers={"demo": DEMO_PROVIDER})
+        config = BrokerConfig(
+            issuer=idp.issuer, providers={"demo": DEMO_PROVIDER}, **broker_options
+        )
         minter = TokenMinter(idp.signing_jwk, issuer=idp.issuer, audience=config.mcp_url)
         round1_users = minter.mint_many(ROUND1_USERS, 0, round1_user_count(args))
         print(setup_line(args, pin, len(round1_users)), flush=True)
         port = free_port()
         with running_echo(port, workdir, pin=pin) as echo:
             server = Server(f"http://127.0.0.1:{port}/mcp", echo.pid)
-            bench = Bench(args, workdir, pin, config, minter, server, round1_users)
-            rows = [row for kind in args.db for row in bench_database(bench, kind)]
-    return rows, bench.notes
+            yield Bench(args, workdir, pin, config, minter, server, round1_users)
 
 
 def bench_database(bench: Bench, kind: str) -> list[Row]:

@@ -139,6 +139,17 @@ class Paired:
         return " ".join(f"{ratio:.2f}x" for ratio in self.ratios)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A scenario's requests, written once, and what its answers must contain."""
+
+    pool: Path
+    expect: str  # in every broker answer
+    bare_expect: str  # in every answer of the bare reference
+    get: bool = False  # GET requests (bench/credential.lua), not MCP POSTs
+    before_broker: Callable[[], None] | None = None  # runs before each broker run
+
+
 @dataclass
 class Block:
     """The scenarios against one database and its broker."""
@@ -167,19 +178,34 @@ class Block:
         ]
 
     def round1(self) -> Paired:
+        prepared = self.prepare_round1()
+        before, _ = asyncio.run(flow_counts(self.database_url))
+        paired = self.measure(prepared)
+        self._note_flows("round1", before, len(self.bench.round1_users), paired.broker)
+        return paired
+
+    def retry(self) -> Paired:
+        return self.measure(self.prepare_retry())
+
+    def credential(self) -> Paired:
+        return self.measure(self.prepare_credential())
+
+    def measure(self, prepared: Prepared) -> Paired:
+        """--repeat broker/bare pairs of runs of a prepared scenario (it can be measured again)."""
+        return self.bench.paired(
+            self.broker,
+            prepared.pool,
+            prepared.expect,
+            prepared.bare_expect,
+            get=prepared.get,
+            before_broker=prepared.before_broker,
+        )
+
+    def prepare_round1(self) -> Prepared:
         tokens = [token for _, token in self.bench.round1_users]
         asyncio.run(prime(self.broker.url, tokens))
         pool = write_pool(self._file("round1"), ((token, call_body()) for token in tokens))
-        before, _ = asyncio.run(flow_counts(self.database_url))
-        paired = self.bench.paired(
-            self.broker,
-            pool,
-            INPUT_REQUIRED,
-            ANY_RESULT,
-            before_broker=self._expire_round1_flows,
-        )
-        self._note_flows("round1", before, len(tokens), paired.broker)
-        return paired
+        return Prepared(pool, INPUT_REQUIRED, ANY_RESULT, before_broker=self._expire_round1_flows)
 
     def _expire_round1_flows(self) -> None:
         asyncio.run(expire_open_flows(self.database_url, f"{ROUND1_USERS}-"))
@@ -217,7 +243,7 @@ class Block:
             + (" <- the open-flow cap interfered" if refused else "")
         )
 
-    def retry(self) -> Paired:
+    def prepare_retry(self) -> Prepared:
         bench = self.bench
         users = bench.minter.mint_many("retry", 0, bench.args.retry_users)
         preparation = RetryPreparation(
@@ -229,9 +255,9 @@ class Block:
         entries = asyncio.run(prepare_retries(preparation, users))
         pool = write_pool(self._file("retry"), entries)
         self._note(f"retry: {len(entries)} users with a completed flow; a sample retry is complete")
-        return bench.paired(self.broker, pool, COMPLETE, ANY_RESULT)
+        return Prepared(pool, COMPLETE, ANY_RESULT)
 
-    def credential(self) -> Paired:
+    def prepare_credential(self) -> Prepared:
         """A service registered by the CLI fetches the keys of users in rotation."""
         bench = self.bench
         preparation = CredentialPreparation(
@@ -250,7 +276,7 @@ class Block:
             f"credential: service {SERVICE!r} and {len(paths)} users with a stored key it owns; "
             "a sample fetch is 200 with the stored key"
         )
-        return bench.paired(self.broker, pool, CREDENTIAL, CREDENTIAL, get=True)
+        return Prepared(pool, CREDENTIAL, CREDENTIAL, get=True)
 
     def _file(self, name: str) -> Path:
         return self.bench.workdir / f"pool-{self.kind}-{name}.txt"
