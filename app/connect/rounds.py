@@ -61,3 +61,11 @@ async def resume_round(
     return RoundOutcome(
         ended=outcome if outcome in ENDED_STATUSES else FlowStatus.expired, flow=read.flow
     )
+
+
+async def mark_delivered(runtime: Runtime, read: FlowRead) -> None:
+    """The client has its final answer for a done flow: a completed flow becomes consumed (a later
+    identical retry still gets the answer; consumed already: no write)."""
+    if read.flow.status == FlowStatus.completed:
+        async with runtime.sessionmaker.begin() as session:
+            await flows.mark_consumed(session, flow_id=read.flow.id, principal=read.flow.principal)

@@ -16,10 +16,18 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
-from app.connect import service as flows
-from app.connect.refresh import KnownRows, usable_credential
-from app.connect.rounds import ACTIONS, resume_round
-from app.connect.service import FlowView, TooManyOpenFlows
+from app.connect.refresh import KnownRows
+from app.connect.require import (
+    URL_ELICITATION,
+    Elicitation,
+    RequireOutcome,
+    RoundAsk,
+    elicitation,
+    first_usable,
+    require_round,
+    service_audiences,
+)
+from app.connect.rounds import ACTIONS, mark_delivered, resume_round
 from app.credentials import Credential
 from app.display import display_text
 from app.errors import BrokerError
@@ -169,9 +177,9 @@ class Disconnection(BaseModel):
     )
 
 
-def readable_audiences(runtime: Runtime, service: Service) -> tuple[str, ...]:
-    shared = runtime.settings.services.get(service.name)
-    return (service.name, *(shared.share_from if shared else ()))
+def _usable(runtime: Runtime, credential: Credential) -> UsableCredential:
+    oauth = isinstance(runtime.settings.providers[credential.provider], OAuthProviderSettings)
+    return UsableCredential("oauth2" if oauth else "api_key", credential)
 
 
 async def usable_for(
@@ -184,14 +192,10 @@ async def usable_for(
 ) -> UsableCredential | None:
     """The first usable credential among the audiences the service reads, its own first.
     `known`: connection rows of this user already read, used instead of reading them again."""
-    for audience in readable_audiences(runtime, service):
-        found = await usable_credential(
-            runtime, principal=principal, provider=provider, audience=audience, known=known
-        )
-        if found is not None:
-            oauth = isinstance(runtime.settings.providers[provider], OAuthProviderSettings)
-            return UsableCredential("oauth2" if oauth else "api_key", found)
-    return None
+    found = await first_usable(
+        runtime, principal, provider, service_audiences(runtime, service.name), known=known
+    )
+    return _usable(runtime, found) if found is not None else None
 
 
 def _caller(service: Service, principal: Principal) -> McpCaller:
@@ -203,76 +207,59 @@ def _binding(provider: str, body: RequireRequest) -> str:
 
 
 def _elicit(
-    runtime: Runtime, service: Service, flow: FlowView, body: RequireRequest
+    runtime: Runtime, service: Service, asked: Elicitation, body: RequireRequest
 ) -> ConnectOutcome:
-    provider = runtime.settings.providers[flow.provider]
-    key = f"connect_{flow.provider}"
+    flow = asked.flow
     state = runtime.codec.issue(
         _caller(service, flow.principal),
         method=METHOD,
         name=flow.provider,
         arguments_digest=_binding(flow.provider, body),
         flow_id=flow.id,
-        input_key=key,
+        input_key=asked.key,
     )
-    request = {
-        "method": "elicitation/create",
-        "params": {
-            "mode": "url",
-            "message": f"Connect your {provider.display_name} account to continue.",
-            "url": f"{runtime.settings.public_url}/connect/{flow.id}",
-        },
-    }
     return ConnectOutcome(
-        status="input_required", input_requests={key: request}, request_state=state
+        status="input_required", input_requests={asked.key: asked.request}, request_state=state
     )
 
 
-def _url_declared(capabilities: dict[str, Any]) -> bool:
-    elicitation = capabilities.get("elicitation")
-    return isinstance(elicitation, dict) and isinstance(elicitation.get("url"), dict)
+def _ask(
+    runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
+) -> RoundAsk:
+    """The service's request: its audiences, the flow named after it (and the client)."""
+    name = runtime.settings.service_display_name(service.name)
+    client = f"{name} (via {display_text(body.client_name)})" if body.client_name else name
+    return RoundAsk(
+        caller=_caller(service, principal),
+        provider=provider,
+        scopes=tuple(body.scopes),
+        audiences=service_audiences(runtime, service.name),
+        capabilities=body.client_capabilities,
+        client_name=client,
+        tool_name=METHOD,
+        args_digest=_binding(provider, body),
+    )
+
+
+def _answer(
+    runtime: Runtime, service: Service, outcome: RequireOutcome, body: RequireRequest
+) -> ConnectOutcome:
+    if outcome.connected is not None:
+        return ConnectOutcome(
+            status="connected", credential=_usable(runtime, outcome.connected).view()
+        )
+    if outcome.elicit is not None:
+        return _elicit(runtime, service, outcome.elicit, body)
+    if outcome.needs_url_capability:
+        return ConnectOutcome(status="missing_capability", required_capabilities=URL_ELICITATION)
+    return ConnectOutcome(status="failed", message=outcome.too_many_open_flows)
 
 
 async def require_connection(
     runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> ConnectOutcome:
-    found = await usable_for(runtime, service, provider, principal)
-    # API keys have no scopes; an OAuth connection must hold every scope asked for (step-up)
-    if found is not None and (
-        found.kind == "api_key" or set(body.scopes) <= found.credential.scopes
-    ):
-        return ConnectOutcome(status="connected", credential=found.view())
-    if not _url_declared(body.client_capabilities):
-        return ConnectOutcome(
-            status="missing_capability", required_capabilities={"elicitation": {"url": {}}}
-        )
-    settings = runtime.settings.providers[provider]
-    scopes = tuple(
-        dict.fromkeys(
-            (
-                *getattr(settings, "scopes", ()),
-                *body.scopes,
-                *(sorted(found.credential.scopes) if found else ()),
-            )
-        )
-    )
-    name = runtime.settings.service_display_name(service.name)
-    client = f"{name} (via {display_text(body.client_name)})" if body.client_name else name
-    try:
-        flow = await flows.create(
-            runtime.direct,
-            caller=_caller(service, principal),
-            client_name=client,
-            provider=provider,
-            scopes=scopes if isinstance(settings, OAuthProviderSettings) else (),
-            tool_name=METHOD,
-            args_digest=_binding(provider, body),
-            ttl_seconds=runtime.settings.server.flow_ttl_seconds,
-            audience=service.name,
-        )
-    except TooManyOpenFlows:
-        return ConnectOutcome(status="failed", message="Too many unfinished connect links.")
-    return _elicit(runtime, service, flow, body)
+    ask = _ask(runtime, service, provider, principal, body)
+    return _answer(runtime, service, await require_round(runtime, ask), body)
 
 
 async def resume_connection(
@@ -304,14 +291,12 @@ async def resume_connection(
     )
     if outcome.done is not None:
         read = outcome.done
-        if read.flow.status == FlowStatus.completed:  # a repeated retry: consumed already
-            async with runtime.sessionmaker.begin() as session:
-                await flows.mark_consumed(session, flow_id=read.flow.id, principal=principal)
         known = {(read.flow.provider, read.flow.audience): read.connection}
-        found = await usable_for(runtime, service, provider, principal, known=known)
-        if found is not None:
-            return ConnectOutcome(status="connected", credential=found.view())
-        return await require_connection(runtime, service, provider, principal, body)
+        ask = _ask(runtime, service, provider, principal, body)
+        again = await require_round(runtime, ask, known=known)  # as `/mcp` runs the tool again
+        if again.connected is not None:
+            await mark_delivered(runtime, read)
+        return _answer(runtime, service, again, body)
     if outcome.open is not None:
-        return _elicit(runtime, service, outcome.open, body)
+        return _elicit(runtime, service, elicitation(runtime, outcome.open), body)
     return ConnectOutcome(status=outcome.ended or FlowStatus.expired)

@@ -24,6 +24,7 @@ from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
 from app.connect.refresh import KnownRows
+from app.connect.require import service_audiences
 from app.deps import RuntimeDep, SessionDep
 from app.integration_api import services
 from app.integration_api.broker import (
@@ -35,7 +36,6 @@ from app.integration_api.broker import (
     RequireRequest,
     ResumeRequest,
     UsableCredential,
-    readable_audiences,
     require_connection,
     resume_connection,
     usable_for,
@@ -276,7 +276,7 @@ async def list_connections(
     """The user's connections this service can read: its own and those it shares from."""
     principal = _principal(runtime, issuer, subject)
     items = []
-    for audience in readable_audiences(runtime, service):
+    for audience in service_audiences(runtime, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
             if service.may_use(row.provider):
                 items.append(

@@ -100,8 +100,7 @@ class BrokerTools:
                 "characters",
                 is_error=True,
             )
-        wanted = tuple(scopes) if settings.kind != "api_key" else ()
-        credential = await call.connections.require(provider, wanted)
+        credential = await call.connections.require(provider, tuple(scopes))
         account = credential.account_label
         return ToolResult(
             text=f"{settings.display_name} is connected" + (f" as {account}." if account else "."),

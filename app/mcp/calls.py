@@ -13,10 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from app.auth.principal import McpCaller
-from app.connect import service as flows
-from app.connect.refresh import KnownRows, usable_credential
-from app.connect.rounds import ACTIONS, resume_round
-from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
+from app.connect.refresh import KnownRows
+from app.connect.require import (
+    URL_ELICITATION,
+    Elicitation,
+    RoundAsk,
+    elicitation,
+    held,
+    start_round,
+)
+from app.connect.rounds import ACTIONS, mark_delivered, resume_round
+from app.connect.service import FlowRead, FlowView
 from app.credentials import Credential
 from app.display import display_text
 from app.mcp.arguments import check_arguments
@@ -31,7 +38,6 @@ from app.mcp.registry import (
 )
 from app.mcp.request_state import StatePayload, arguments_digest
 from app.models import BROKER_AUDIENCE, FlowStatus
-from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.runtime import Runtime
 
 CAPABILITY_FOR_METHOD = {
@@ -42,38 +48,32 @@ CAPABILITY_FOR_METHOD = {
 
 
 class BrokerConnections:
-    """`call.connections` for the broker's own endpoint: credentials of audience "mcp".
+    """`call.connections` for the broker's own endpoint: credentials of audience "mcp", as
+    app/connect/require.py decides.
 
     `known`: connection rows already read for this caller (e.g. the one read with the finished
     flow of a retry), used instead of reading them again.
     """
 
     def __init__(
-        self,
-        runtime: Runtime,
-        caller: McpCaller,
-        audience: str = BROKER_AUDIENCE,
-        *,
-        known: KnownRows | None = None,
+        self, runtime: Runtime, caller: McpCaller, *, known: KnownRows | None = None
     ) -> None:
         self._runtime = runtime
         self._caller = caller
-        self._audience = audience
         self._known = known
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        credential = await usable_credential(
+        holding = await held(
             self._runtime,
-            principal=self._caller.principal,
-            provider=provider,
-            audience=self._audience,
+            self._caller.principal,
+            provider,
+            scopes,
+            (BROKER_AUDIENCE,),
             known=self._known,
         )
-        if credential is None:
-            raise ConnectionRequired(provider, scopes)
-        if not set(scopes) <= credential.scopes:  # step-up: ask for what it has and more
-            raise ConnectionRequired(provider, tuple(sorted(credential.scopes | set(scopes))))
-        return credential
+        if holding.usable is None:
+            raise ConnectionRequired(provider, scopes, granted=holding.granted)
+        return holding.usable
 
 
 class CallToolRound:
@@ -113,14 +113,14 @@ class CallToolRound:
                 name=self.tool.name,
                 arguments_digest=self.digest,
             )
-        finished_flow: FlowView | None = None
+        finished_flow: FlowRead | None = None
         known: KnownRows = {}
         if state is not None and state.flow_id is not None:
             resumed = await self._resume_flow(state.flow_id, state.input_key or "")
             if not isinstance(resumed, FlowRead):
                 return resumed  # still waiting, declined, cancelled or expired
-            finished_flow = resumed.flow
-            known = {(finished_flow.provider, finished_flow.audience): resumed.connection}
+            finished_flow = resumed
+            known = {(resumed.flow.provider, resumed.flow.audience): resumed.connection}
         call = ToolCall(
             name=self.tool.name,
             arguments=self.arguments,
@@ -135,15 +135,8 @@ class CallToolRound:
             outcome = await self.tool.handler(call)
         except ConnectionRequired as need:
             return await self._start_flow(need)
-        if (
-            finished_flow is not None
-            and finished_flow.status == FlowStatus.completed  # consumed already: no write
-            and isinstance(outcome, ToolResult)
-        ):
-            async with self.runtime.sessionmaker.begin() as session:
-                await flows.mark_consumed(
-                    session, flow_id=finished_flow.id, principal=self.caller.principal
-                )
+        if finished_flow is not None and isinstance(outcome, ToolResult):
+            await mark_delivered(self.runtime, finished_flow)
         return self._shape(outcome)
 
     def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
@@ -188,42 +181,32 @@ class CallToolRound:
         return {"resultType": "input_required", "inputRequests": requests, "requestState": state}
 
     async def _start_flow(self, need: ConnectionRequired) -> dict[str, Any]:
-        provider = self.runtime.settings.providers.get(need.provider)
-        if provider is None:
+        """The tool needs a connection the user does not hold: round 1's other half."""
+        if need.provider not in self.runtime.settings.providers:
             return ToolResult(text=f"Unknown provider: {need.provider}", is_error=True).to_wire()
-        elicitation = self.message.capabilities.get("elicitation")
-        if not isinstance(elicitation, dict) or not isinstance(elicitation.get("url"), dict):
-            raise missing_capability({"elicitation": {"url": {}}})
-        try:
-            flow = await flows.create(
-                self.runtime.direct,
-                caller=self.caller,
-                client_name=self.client_name,
-                provider=need.provider,
-                scopes=_requested_scopes(provider, need.scopes),
-                tool_name=self.tool.name,
-                args_digest=self.digest,
-                ttl_seconds=self.runtime.settings.server.flow_ttl_seconds,
-            )
-        except TooManyOpenFlows:
-            return ToolResult(
-                text="Too many unfinished connect links. Finish or wait for one to expire.",
-                is_error=True,
-            ).to_wire()
-        return self._elicit(flow)
+        ask = RoundAsk(
+            caller=self.caller,
+            provider=need.provider,
+            scopes=need.scopes,
+            audiences=(BROKER_AUDIENCE,),
+            capabilities=self.message.capabilities,
+            client_name=self.client_name,
+            tool_name=self.tool.name,
+            args_digest=self.digest,
+        )
+        outcome = await start_round(self.runtime, ask, granted=need.granted)
+        if outcome.needs_url_capability:
+            raise missing_capability(URL_ELICITATION)
+        if outcome.too_many_open_flows is not None:
+            return ToolResult(text=outcome.too_many_open_flows, is_error=True).to_wire()
+        if outcome.elicit is None:  # start_round answers no credential
+            raise ValueError("start_round answered without a flow")
+        return self._elicit(outcome.elicit)
 
-    def _elicit(self, flow: FlowView) -> dict[str, Any]:
-        provider = self.runtime.settings.providers[flow.provider]
-        key = f"connect_{flow.provider}"
-        request = {
-            "method": "elicitation/create",
-            "params": {
-                "mode": "url",
-                "message": f"Connect your {provider.display_name} account to continue.",
-                "url": f"{self.runtime.settings.public_url}/connect/{flow.id}",
-            },
-        }
-        return self._input_required({key: request}, flow_id=flow.id, input_key=key)
+    def _elicit(self, asked: Elicitation) -> dict[str, Any]:
+        return self._input_required(
+            {asked.key: asked.request}, flow_id=asked.flow.id, input_key=asked.key
+        )
 
     async def _resume_flow(self, flow_id: str, key: str) -> dict[str, Any] | FlowRead:
         """The answer for a retry of a connect round, or the flow (and its connection) when it
@@ -239,7 +222,7 @@ class CallToolRound:
         if outcome.done is not None:
             return outcome.done
         if outcome.open is not None:
-            return self._elicit(outcome.open)
+            return self._elicit(elicitation(self.runtime, outcome.open))
         return self._ended(outcome.flow, outcome.ended or FlowStatus.expired)
 
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
@@ -274,10 +257,3 @@ def _input_responses(params: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise invalid_params(f"inputResponses.{key!s:.64} must be an object")
     return responses
-
-
-def _requested_scopes(provider: ProviderSettings, wanted: tuple[str, ...]) -> tuple[str, ...]:
-    """An OAuth flow asks for the provider's default scopes plus what the tool needs."""
-    if not isinstance(provider, OAuthProviderSettings):
-        return ()
-    return tuple(dict.fromkeys((*provider.scopes, *wanted)))

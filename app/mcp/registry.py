@@ -45,12 +45,20 @@ __all__ = [
 
 
 class ConnectionRequired(Exception):
-    """The user has no usable connection to `provider` (with `scopes`) yet."""
+    """The user has no usable connection to `provider` (with `scopes`) yet. `granted`: the
+    scopes of a connection that lacks some of them (a step-up asks for those too)."""
 
-    def __init__(self, provider: str, scopes: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        provider: str,
+        scopes: tuple[str, ...] = (),
+        *,
+        granted: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__(provider)
         self.provider = provider
         self.scopes = scopes
+        self.granted = granted
 
 
 class Connections(Protocol):
