@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
-from app.connect.refresh import KnownRows, usable_credential
+from app.connect.refresh import KnownRows
 from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.credentials import Credential
@@ -185,8 +185,8 @@ async def usable_for(
     """The first usable credential among the audiences the service reads, its own first.
     `known`: connection rows of this user already read, used instead of reading them again."""
     for audience in readable_audiences(runtime, service):
-        found = await usable_credential(
-            runtime, principal=principal, provider=provider, audience=audience, known=known
+        found = await runtime.credentials.usable(
+            principal=principal, provider=provider, audience=audience, known=known
         )
         if found is not None:
             oauth = isinstance(runtime.settings.providers[provider], OAuthProviderSettings)

@@ -154,7 +154,7 @@ class BrokerTools:
             async with self.runtime.sessionmaker() as session:
                 outcome = await disconnect(
                     session,
-                    self.runtime,
+                    self.runtime.revoker,
                     principal=call.caller.principal,
                     provider=provider,
                     audience=BROKER_AUDIENCE,

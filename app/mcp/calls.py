@@ -14,7 +14,7 @@ from typing import Any
 
 from app.auth.principal import McpCaller
 from app.connect import service as flows
-from app.connect.refresh import KnownRows, usable_credential
+from app.connect.refresh import KnownRows
 from app.connect.rounds import ACTIONS, resume_round
 from app.connect.service import FlowRead, FlowView, TooManyOpenFlows
 from app.credentials import Credential
@@ -62,8 +62,7 @@ class BrokerConnections:
         self._known = known
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        credential = await usable_credential(
-            self._runtime,
+        credential = await self._runtime.credentials.usable(
             principal=self._caller.principal,
             provider=provider,
             audience=self._audience,
