@@ -15,14 +15,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.auth import login
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
 from app.auth.jwks import JwksCache, ProviderIssuers
 from app.collector import settle_for_serving
 from app.config import Settings
-from app.connect import oauth_pages, pages
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.connect.oauth_service import OAuthGrants
@@ -52,6 +50,9 @@ from app.mcp.request_state import RequestStateCodec
 from app.metrics import BrokerMetrics
 from app.middleware import AccessLog, BodyLimit, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes
+from app.pages import connect as connect_pages
+from app.pages import login
+from app.pages import oauth as oauth_pages
 from app.resources import resource_dir
 from app.runtime import Runtime
 from app.security_log import SecurityLog
@@ -274,7 +275,7 @@ def create_app(
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.add_api_route("/", _landing, include_in_schema=False)
     app.include_router(login.router)
-    app.include_router(pages.router)
+    app.include_router(connect_pages.router)
     app.include_router(oauth_pages.router)
     app.include_router(integration_routes.router)
     if dev_idp is not None:

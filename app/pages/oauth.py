@@ -13,7 +13,6 @@ from app.auth.jwks import JwksUnavailable
 from app.config import Settings
 from app.connect import oauth_service
 from app.connect.oauth_service import CallbackRefused, OAuthGrants
-from app.connect.page_access import SignedInPost, flow_for_user
 from app.connect.service import FlowView
 from app.deps import (
     BrowserSessionsDep,
@@ -24,6 +23,7 @@ from app.deps import (
 )
 from app.errors import BrokerError, NotFound
 from app.models import FlowStatus
+from app.pages.access import SignedInPost, flow_for_user
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
 from app.security_log import SecurityLog

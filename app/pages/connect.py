@@ -20,7 +20,6 @@ from app.auth.browser import BrowserSessions, BrowserUser
 from app.config import Settings
 from app.connect import disconnect as disconnection
 from app.connect import service as flows
-from app.connect.page_access import FLOW_ID, SignedInPost, flow_for_user
 from app.connect.service import FlowView
 from app.deps import (
     BrowserSessionsDep,
@@ -35,6 +34,7 @@ from app.deps import (
 )
 from app.errors import BrokerError, NotFound
 from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, FlowStatus
+from app.pages.access import FLOW_ID, SignedInPost, flow_for_user
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import (
     ApiKeyProviderSettings,
