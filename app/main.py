@@ -231,8 +231,8 @@ def create_app(
     """The ASGI app. `registry` may carry extra tools; `dev_idp` is passed only by `dev`."""
     registry = registry if registry is not None else ToolRegistry()
     runtime = build_runtime(settings, registry)
-    register_broker_tools(registry, runtime)
-    register_provider_tools(registry, runtime)
+    register_broker_tools(registry, settings.providers, runtime.sessionmaker, runtime.revoker)
+    register_provider_tools(registry, settings.providers, runtime.http)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
