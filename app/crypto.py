@@ -90,6 +90,19 @@ class Keyring:
         return list(_derived(self.keys, purpose))
 
 
+@dataclass(frozen=True)
+class Keys:
+    """The broker's two keyrings: `signing` (HMAC digests, cookies, requestState) and `sealing`
+    (credentials and other values stored encrypted)."""
+
+    signing: Keyring
+    sealing: Keyring
+
+    @classmethod
+    def parse(cls, signing: tuple[str, ...], sealing: tuple[str, ...]) -> Keys:
+        return cls(Keyring.parse(signing), Keyring.parse(sealing))
+
+
 @functools.lru_cache(maxsize=64)
 def _derived(keys: tuple[tuple[str, bytes], ...], purpose: str) -> tuple[bytes, ...]:
     """HKDF is the costliest step of a per-request digest; the subkeys never change."""

@@ -143,7 +143,7 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """This request's session; committed once if the handler finished without raising."""
-    maker: async_sessionmaker[AsyncSession] = request.app.state.runtime.sessionmaker
+    maker: async_sessionmaker[AsyncSession] = request.app.state.sessionmaker
     async with maker() as session:
         try:
             yield session

@@ -15,17 +15,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.auth import login
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
-from app.auth.jwks import JwksCache
+from app.auth.jwks import JwksCache, ProviderIssuers
 from app.collector import settle_for_serving
 from app.config import Settings
-from app.connect import oauth_pages, pages, revocations
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
-from app.crypto import Keyring
+from app.connect.oauth_service import OAuthGrants
+from app.connect.refresh import UsableCredentials
+from app.connect.revocations import Revoker
+from app.crypto import Keys
 from app.db import create_engine, create_sessionmaker, is_sqlite
 from app.direct import open_direct_store
 from app.errors import (
@@ -46,10 +47,15 @@ from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.mcp.request_state import RequestStateCodec
+from app.metrics import BrokerMetrics
 from app.middleware import AccessLog, BodyLimit, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes
+from app.pages import connect as connect_pages
+from app.pages import login
+from app.pages import oauth as oauth_pages
 from app.resources import resource_dir
 from app.runtime import Runtime
+from app.security_log import SecurityLog
 from app.templating import render
 
 logger = logging.getLogger("broker")
@@ -60,9 +66,15 @@ HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due rev
 
 def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
     """Everything the process shares; nothing here does I/O yet."""
-    signing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
-    sealing = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
+    keys = Keys.parse(
+        tuple(k.get_secret_value() for k in settings.keys.signing),
+        tuple(k.get_secret_value() for k in settings.keys.encryption),
+    )
     engine = create_engine(settings.database.connect_url(), pool_size=settings.database.pool_size)
+    sessionmaker = create_sessionmaker(engine)
+    store = open_direct_store(
+        settings.database.connect_url(), pool_size=settings.database.pool_size
+    )
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(10.0, connect=3.0),
         follow_redirects=False,
@@ -70,20 +82,31 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         trust_env=False,
     )
     issuer = JwksCache(settings.identity.issuer, http=http)
+    provider_issuers = ProviderIssuers(http)
     notifier: FlowNotifier = (
         FlowNotifier(poll_interval=0.25)
         if is_sqlite(settings.database.url)
         else PostgresFlowNotifier(settings.database.connect_url())
     )
+    limits = RateLimits.from_settings(settings.limits)
+    metrics = BrokerMetrics()
+    security = SecurityLog(limits, metrics)
+    grants = OAuthGrants(
+        public_url=settings.public_url,
+        keys=keys,
+        issuers=provider_issuers,
+        http=http,
+        notifier=notifier,
+        security=security,
+    )
     return Runtime(
         settings=settings,
         engine=engine,
-        sessionmaker=create_sessionmaker(engine),
-        direct=open_direct_store(
-            settings.database.connect_url(), pool_size=settings.database.pool_size
-        ),
-        signing_keys=signing,
-        sealing_keys=sealing,
+        sessionmaker=sessionmaker,
+        direct=store,
+        signing_keys=keys.signing,
+        sealing_keys=keys.sealing,
+        keys=keys,
         issuer=issuer,
         verifier=TokenVerifier(
             issuer=settings.identity.issuer,
@@ -93,19 +116,62 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
             jwks=issuer,
         ),
         browser_sessions=BrowserSessions(
-            signing,
+            keys.signing,
             ttl_seconds=settings.server.session_ttl_seconds,
             max_auth_age_seconds=settings.server.login_max_age_seconds,
         ),
-        codec=RequestStateCodec(signing, max_age=settings.server.flow_ttl_seconds),
+        codec=RequestStateCodec(keys.signing, max_age=settings.server.flow_ttl_seconds),
         registry=registry,
         notifier=notifier,
         http=http,
         allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
-        # half of the pool (pool_size + as many overflow): a slow provider never takes it all
-        provider_call_slots=asyncio.Semaphore(settings.database.pool_size),
-        limits=RateLimits.from_settings(settings.limits),
+        limits=limits,
+        metrics=metrics,
+        security=security,
+        provider_issuers=provider_issuers,
+        grants=grants,
+        revoker=Revoker(
+            providers=settings.providers,
+            http=http,
+            sealing=keys.sealing,
+            sessionmaker=sessionmaker,
+            security=security,
+        ),
+        credentials=UsableCredentials(
+            store=store,
+            sessionmaker=sessionmaker,
+            sealing=keys.sealing,
+            providers=settings.providers,
+            grants=grants,
+            # half of the pool (pool_size + as many overflow): a slow provider never takes it all
+            call_slots=asyncio.Semaphore(settings.database.pool_size),
+            security=security,
+        ),
     )
+
+
+def share(app: FastAPI, runtime: Runtime) -> None:
+    """Put each shared object on `app.state` under its own name (app/deps.py reads them)."""
+    state = app.state
+    state.settings = runtime.settings
+    state.engine = runtime.engine
+    state.sessionmaker = runtime.sessionmaker
+    state.store = runtime.direct
+    state.keys = runtime.keys
+    state.identity_issuer = runtime.issuer
+    state.verifier = runtime.verifier
+    state.browser_sessions = runtime.browser_sessions
+    state.codec = runtime.codec
+    state.registry = runtime.registry
+    state.notifier = runtime.notifier
+    state.http = runtime.http
+    state.limits = runtime.limits
+    state.metrics = runtime.metrics
+    state.security = runtime.security
+    state.provider_issuers = runtime.provider_issuers
+    state.oauth_grants = runtime.grants
+    state.revoker = runtime.revoker
+    state.credentials = runtime.credentials
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
@@ -165,8 +231,8 @@ def create_app(
     """The ASGI app. `registry` may carry extra tools; `dev_idp` is passed only by `dev`."""
     registry = registry if registry is not None else ToolRegistry()
     runtime = build_runtime(settings, registry)
-    register_broker_tools(registry, runtime)
-    register_provider_tools(registry, runtime)
+    register_broker_tools(registry, settings.providers, runtime.sessionmaker, runtime.revoker)
+    register_provider_tools(registry, settings.providers, runtime.http)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -198,6 +264,7 @@ def create_app(
         openapi_url="/api/v1/openapi.json",
     )
     app.state.runtime = runtime
+    share(app, runtime)
     app.state.development = dev_idp is not None  # every page then shows the development banner
     for path in (
         "/.well-known/oauth-protected-resource",
@@ -208,7 +275,7 @@ def create_app(
     app.add_api_route("/static/broker.css", _stylesheet, include_in_schema=False)
     app.add_api_route("/", _landing, include_in_schema=False)
     app.include_router(login.router)
-    app.include_router(pages.router)
+    app.include_router(connect_pages.router)
     app.include_router(oauth_pages.router)
     app.include_router(integration_routes.router)
     if dev_idp is not None:
@@ -245,7 +312,7 @@ async def _housekeeping_forever(runtime: Runtime) -> None:
         except DATABASE_ERRORS as exc:
             logger.warning("flows.purge_failed error=%s", type(exc).__name__)
         try:
-            await revocations.sweep(runtime)
+            await runtime.revoker.sweep()
         except DATABASE_ERRORS as exc:
             logger.warning("revocation.sweep_failed error=%s", type(exc).__name__)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)

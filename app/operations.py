@@ -11,6 +11,7 @@ import logging
 
 from fastapi import FastAPI
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -18,10 +19,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from app.auth.bearer import bearer_token
 from app.connect import revocations
 from app.crypto import constant_time_equal
+from app.deps import SessionmakerDep, SettingsDep
 from app.errors import DATABASE_ERRORS
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from app.metrics import RevocationBacklog
-from app.runtime import Runtime
+from app.metrics import BrokerMetrics, RevocationBacklog
 
 logger = logging.getLogger("broker")
 
@@ -44,20 +45,22 @@ async def _healthz() -> Response:
 
 
 async def _readyz(request: Request) -> Response:
-    runtime: Runtime = request.app.state.runtime
+    engine: AsyncEngine = request.app.state.engine
     try:
-        async with asyncio.timeout(READINESS_SECONDS), runtime.engine.connect() as connection:
+        async with asyncio.timeout(READINESS_SECONDS), engine.connect() as connection:
             await connection.execute(text("SELECT version_num FROM alembic_version"))
     except (*DATABASE_ERRORS, OSError, TimeoutError):
         return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
     return JSONResponse({"status": "ready"})
 
 
-async def _metrics(request: Request) -> Response:
+async def _metrics(
+    request: Request, settings: SettingsDep, sessionmaker: SessionmakerDep
+) -> Response:
     """Prometheus text format, for a scrape presenting `[server] metrics_token`; without one
     configured the path does not exist."""
-    runtime: Runtime = request.app.state.runtime
-    token = runtime.settings.server.metrics_token
+    metrics: BrokerMetrics = request.app.state.metrics
+    token = settings.server.metrics_token
     if token is None:
         raise StarletteHTTPException(404)
     presented = bearer_token(request.headers.get("authorization"))
@@ -68,16 +71,18 @@ async def _metrics(request: Request) -> Response:
             headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
         )
     return Response(
-        runtime.metrics.render(await _revocation_backlog(runtime)),
+        metrics.render(await _revocation_backlog(sessionmaker)),
         media_type=METRICS_CONTENT_TYPE,
         headers={"Cache-Control": "no-store"},
     )
 
 
-async def _revocation_backlog(runtime: Runtime) -> RevocationBacklog | None:
+async def _revocation_backlog(
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> RevocationBacklog | None:
     """The revocation queue for a scrape, or None when the database does not answer in time."""
     try:
-        async with asyncio.timeout(BACKLOG_READ_SECONDS), runtime.sessionmaker() as session:
+        async with asyncio.timeout(BACKLOG_READ_SECONDS), sessionmaker() as session:
             return await revocations.backlog(session)
     except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
         logger.warning("metrics.backlog_unavailable error=%s", type(exc).__name__)

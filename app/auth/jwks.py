@@ -113,3 +113,17 @@ class JwksCache:
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return document
+
+
+class ProviderIssuers:
+    """Discovery and keys of third-party OpenID providers, one cache per issuer."""
+
+    def __init__(self, http: httpx2.AsyncClient) -> None:
+        self._http = http
+        self._caches: dict[str, JwksCache] = {}
+
+    def __call__(self, issuer: str) -> JwksCache:
+        cache = self._caches.get(issuer)
+        if cache is None:
+            cache = self._caches[issuer] = JwksCache(issuer, http=self._http)
+        return cache

@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import revocations
+from app.connect.revocations import Revoker
 from app.errors import DATABASE_ERRORS
-from app.runtime import Runtime
 
 logger = logging.getLogger("broker.providers")
 
@@ -32,7 +32,7 @@ class Disconnected:
 
 async def disconnect(
     session: AsyncSession,
-    runtime: Runtime,
+    revoker: Revoker,
     *,
     principal: Principal,
     provider: str,
@@ -45,22 +45,18 @@ async def disconnect(
     )
     if row is None:
         return Disconnected(existed=False, revoked_upstream=False, upstream_failed=False)
-    secret = credentials.open_row(row, keys=runtime.sealing_keys)
-    pending = (
-        revocations.queue(session, row)
-        if secret and revocations.revocable(runtime, provider)
-        else None
-    )
+    secret = credentials.open_row(row, keys=revoker.sealing)
+    pending = revocations.queue(session, row) if secret and revoker.revocable(provider) else None
     await credentials.remove(session, principal=principal, provider=provider, audience=audience)
     await session.commit()  # flushes `pending`: its id is set
     if pending is None:
         return Disconnected(existed=True, revoked_upstream=False, upstream_failed=False)
     claimed = revocations.Claimed(pending.id, provider, attempts=0, secret=secret)
-    failure = await revocations.attempt(runtime, claimed)
+    failure = await revoker.attempt(claimed)
     if failure is not None:
         logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, failure)
     try:
-        await revocations.settle(session, runtime, claimed, failure)
+        await revoker.settle(session, claimed, failure)
         await session.commit()
     except DATABASE_ERRORS as exc:  # the queued row stays: the sweep asks the provider again
         logger.warning(

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import httpx2
 from joserfc import jws, jwt
 from joserfc.errors import JoseError
 from joserfc.jwt import JWTClaimsRegistry
@@ -22,15 +23,16 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
-from app.auth.jwks import JwksUnavailable
+from app.auth.jwks import JwksUnavailable, ProviderIssuers
 from app.clock import utcnow
 from app.connect import service as flows
+from app.connect.notify import FlowNotifier
 from app.connect.service import FlowView
-from app.crypto import Digester, InvalidSeal, random_token, seal, unseal
+from app.crypto import Digester, InvalidSeal, Keys, random_token, seal, unseal
 from app.models import Flow, FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
-from app.runtime import Runtime
+from app.security_log import SecurityLog
 
 logger = logging.getLogger("broker.security")
 
@@ -65,109 +67,6 @@ class Endpoints:
     token_url: str
 
 
-def state_digester(runtime: Runtime) -> Digester:
-    return Digester(runtime.signing_keys, "oauth-state")
-
-
-def redirect_uri(runtime: Runtime, provider_name: str) -> str:
-    return f"{runtime.settings.public_url}/oauth/{provider_name}/callback"
-
-
-async def endpoints(runtime: Runtime, provider: OAuthProviderSettings) -> Endpoints:
-    """Configured endpoints, or those an `oidc` provider's discovery document names.
-
-    Raises:
-        oauth.UpstreamError: discovery failed.
-    """
-    if provider.authorize_url and provider.token_url:
-        return Endpoints(provider.authorize_url, provider.token_url)
-    assert provider.issuer is not None
-    try:
-        metadata = await runtime.provider_jwks(provider.issuer).metadata()
-    except JwksUnavailable:
-        raise oauth.UpstreamError("discovery_failed") from None
-    authorize, token = metadata.get("authorization_endpoint"), metadata.get("token_endpoint")
-    if not isinstance(authorize, str) or not isinstance(token, str):
-        raise oauth.UpstreamError("discovery_incomplete")
-    return Endpoints(provider.authorize_url or authorize, provider.token_url or token)
-
-
-async def start(
-    session: AsyncSession,
-    runtime: Runtime,
-    *,
-    flow: FlowView,
-    provider: OAuthProviderSettings,
-) -> str | None:
-    """Arm the flow with a fresh single-use state and PKCE verifier; the authorize URL to send
-    the browser to, or None if the flow can no longer be started.
-
-    The endpoints come first: an `oidc` provider's discovery document may have to be fetched, and
-    no row lock is held while it is (the caller has ended its reads: no connection either).
-    """
-    target = await endpoints(runtime, provider)
-    state, verifier = random_token(), random_token() + random_token()
-    won = await flows.transition(
-        session,
-        flow_id=flow.id,
-        principal=flow.principal,
-        from_statuses=STARTABLE,
-        to_status=FlowStatus.authorizing,
-        state_digest=state_digester(runtime)(state),
-        sealed_pkce_verifier=seal(
-            verifier.encode(), purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=runtime.sealing_keys
-        ),
-        failure=None,
-    )
-    if not won:
-        return None
-    return oauth.authorize_url(
-        provider,
-        endpoint=target.authorize_url,
-        redirect_uri=redirect_uri(runtime, flow.provider),
-        state=state,
-        verifier=verifier,
-        scopes=flow.scopes,
-    )
-
-
-async def flow_for_state(session: AsyncSession, runtime: Runtime, state: str) -> FlowView | None:
-    flow_id = await session.scalar(
-        select(Flow.id).where(Flow.state_digest == state_digester(runtime)(state))
-    )
-    return await flows.get(session, flow_id=flow_id) if flow_id else None
-
-
-async def claim(session: AsyncSession, runtime: Runtime, *, flow: FlowView, state: str) -> str:
-    """Move `authorizing → exchanging` (exactly one winner) and return the PKCE verifier.
-
-    Raises:
-        CallbackRefused: someone else won, or the flow moved on.
-    """
-    row = (
-        await session.execute(
-            update(Flow)
-            .where(
-                Flow.id == flow.id,
-                Flow.status == FlowStatus.authorizing,
-                Flow.state_digest == state_digester(runtime)(state),
-                Flow.expires_at > utcnow(),
-            )
-            .values(status=FlowStatus.exchanging, updated_at=utcnow())
-            .returning(Flow.sealed_pkce_verifier)
-            .execution_options(synchronize_session=False)
-        )
-    ).first()
-    if row is None or row[0] is None:
-        raise CallbackRefused(409, "already_used", flow)
-    try:
-        return unseal(
-            row[0], purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=runtime.sealing_keys
-        ).decode()
-    except InvalidSeal:
-        raise CallbackRefused(400, "verifier_unreadable", flow) from None
-
-
 async def fail(session: AsyncSession, *, flow: FlowView, reason: str) -> None:
     """`exchanging → pending`: nothing stored, the user may start again before expiry."""
     await flows.transition(
@@ -182,98 +81,222 @@ async def fail(session: AsyncSession, *, flow: FlowView, reason: str) -> None:
     )
 
 
-async def complete(
-    session: AsyncSession,
-    runtime: Runtime,
-    *,
-    flow: FlowView,
-    tokens: oauth.TokenSet,
-    label: str | None,
-) -> bool:
-    """Store the sealed tokens and complete the flow, in the caller's single transaction."""
-    won = await flows.transition(
-        session,
-        flow_id=flow.id,
-        principal=flow.principal,
-        from_statuses=(FlowStatus.exchanging,),
-        to_status=FlowStatus.completed,
-        only_unexpired=False,
-        sealed_pkce_verifier=None,
-        account_label=label,
-        failure=None,
-    )
-    if not won:
-        return False
-    await credentials.store(
-        session,
-        keys=runtime.sealing_keys,
-        principal=flow.principal,
-        provider=flow.provider,
-        audience=flow.audience,
-        secret=tokens.secret(),
-        scopes=tokens.scopes,
-        account_label=label,
-        expires_at=tokens.expires_at,
-    )
-    await runtime.notifier.publish(session, flow.id)
-    runtime.audit("credential.stored", flow_id=flow.id)
-    return True
+class OAuthGrants:
+    """The OAuth legs of connect flows, with what they share: the broker's public URL (for the
+    redirect URI), its keys, third-party issuers' discovery, the flow notifier and the
+    security log."""
 
+    def __init__(
+        self,
+        *,
+        public_url: str,
+        keys: Keys,
+        issuers: ProviderIssuers,
+        http: httpx2.AsyncClient,
+        notifier: FlowNotifier,
+        security: SecurityLog,
+    ) -> None:
+        self._public_url = public_url
+        self._keys = keys
+        self._issuers = issuers
+        self.http = http
+        self._notifier = notifier
+        self._security = security
+        self._state_digest = Digester(keys.signing, "oauth-state")
 
-async def provider_refused(
-    session: AsyncSession, runtime: Runtime, *, flow: FlowView, error: str
-) -> None:
-    """The provider sent the browser back with `error=` (state and session already checked).
+    async def issuer_metadata(self, issuer: str) -> dict[str, object]:
+        """A third-party issuer's discovery document.
 
-    `access_denied` is the user's "no": the flow is declined. Any other error is the provider's
-    problem: `authorizing → pending` with the reason, so the page says what happened and the
-    user can start again. Only known RFC 6749 codes are kept (the value is request input).
-    """
-    if error == "access_denied":
-        to_status, failure = FlowStatus.declined, None
-    else:
-        to_status = FlowStatus.pending
-        failure = f"authorize_error:{error}" if error in AUTHORIZE_ERRORS else "authorize_error"
-    if await flows.transition(
-        session,
-        flow_id=flow.id,
-        principal=flow.principal,
-        from_statuses=(FlowStatus.authorizing,),
-        to_status=to_status,
-        sealed_pkce_verifier=None,
-        failure=failure,
-    ):
-        await runtime.notifier.publish(session, flow.id)
+        Raises:
+            JwksUnavailable: never fetched and the issuer is unreachable.
+        """
+        return await self._issuers(issuer).metadata()
 
+    def redirect_uri(self, provider_name: str) -> str:
+        return f"{self._public_url}/oauth/{provider_name}/callback"
 
-async def verify_id_token(
-    runtime: Runtime, provider: OAuthProviderSettings, tokens: oauth.TokenSet, state: str
-) -> dict[str, Any]:
-    """For `oidc` providers: the ID token must be signed by the issuer, for us, with our nonce.
-    Returns its claims ({} for other providers).
+    async def endpoints(self, provider: OAuthProviderSettings) -> Endpoints:
+        """Configured endpoints, or those an `oidc` provider's discovery document names.
 
-    Raises:
-        oauth.UpstreamError: missing or invalid ID token.
-    """
-    if provider.kind != "oidc":
-        return {}
-    if tokens.id_token is None:
-        raise oauth.UpstreamError("id_token_missing")
-    assert provider.issuer is not None
-    try:
-        header = jws.extract_compact(tokens.id_token.encode()).protected
-        kid = header.get("kid")
-        keys = await runtime.provider_jwks(provider.issuer).keys_for(
-            kid if isinstance(kid, str) else None
+        Raises:
+            oauth.UpstreamError: discovery failed.
+        """
+        if provider.authorize_url and provider.token_url:
+            return Endpoints(provider.authorize_url, provider.token_url)
+        assert provider.issuer is not None
+        try:
+            metadata = await self._issuers(provider.issuer).metadata()
+        except JwksUnavailable:
+            raise oauth.UpstreamError("discovery_failed") from None
+        authorize, token = metadata.get("authorization_endpoint"), metadata.get("token_endpoint")
+        if not isinstance(authorize, str) or not isinstance(token, str):
+            raise oauth.UpstreamError("discovery_incomplete")
+        return Endpoints(provider.authorize_url or authorize, provider.token_url or token)
+
+    async def start(
+        self,
+        session: AsyncSession,
+        *,
+        flow: FlowView,
+        provider: OAuthProviderSettings,
+    ) -> str | None:
+        """Arm the flow with a fresh single-use state and PKCE verifier; the authorize URL to send
+        the browser to, or None if the flow can no longer be started.
+
+        The endpoints come first: an `oidc` provider's discovery document may have to be
+        fetched, and no row lock is held while it is (the caller has ended its reads: no
+        connection either).
+        """
+        target = await self.endpoints(provider)
+        state, verifier = random_token(), random_token() + random_token()
+        won = await flows.transition(
+            session,
+            flow_id=flow.id,
+            principal=flow.principal,
+            from_statuses=STARTABLE,
+            to_status=FlowStatus.authorizing,
+            state_digest=self._state_digest(state),
+            sealed_pkce_verifier=seal(
+                verifier.encode(), purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=self._keys.sealing
+            ),
+            failure=None,
         )
-        decoded = jwt.decode(tokens.id_token, keys, algorithms=["RS256", "PS256", "ES256", "EdDSA"])
-        JWTClaimsRegistry(
-            leeway=60,
-            iss={"essential": True, "value": provider.issuer},
-            aud={"essential": True, "value": provider.client_id},
-            exp={"essential": True},
-            nonce={"essential": True, "value": oauth.nonce_for(state)},
-        ).validate(decoded.claims)
-    except (JoseError, ValueError, JwksUnavailable):
-        raise oauth.UpstreamError("id_token_invalid") from None
-    return dict(decoded.claims)
+        if not won:
+            return None
+        return oauth.authorize_url(
+            provider,
+            endpoint=target.authorize_url,
+            redirect_uri=self.redirect_uri(flow.provider),
+            state=state,
+            verifier=verifier,
+            scopes=flow.scopes,
+        )
+
+    async def flow_for_state(self, session: AsyncSession, state: str) -> FlowView | None:
+        flow_id = await session.scalar(
+            select(Flow.id).where(Flow.state_digest == self._state_digest(state))
+        )
+        return await flows.get(session, flow_id=flow_id) if flow_id else None
+
+    async def claim(self, session: AsyncSession, *, flow: FlowView, state: str) -> str:
+        """Move `authorizing → exchanging` (exactly one winner) and return the PKCE verifier.
+
+        Raises:
+            CallbackRefused: someone else won, or the flow moved on.
+        """
+        row = (
+            await session.execute(
+                update(Flow)
+                .where(
+                    Flow.id == flow.id,
+                    Flow.status == FlowStatus.authorizing,
+                    Flow.state_digest == self._state_digest(state),
+                    Flow.expires_at > utcnow(),
+                )
+                .values(status=FlowStatus.exchanging, updated_at=utcnow())
+                .returning(Flow.sealed_pkce_verifier)
+                .execution_options(synchronize_session=False)
+            )
+        ).first()
+        if row is None or row[0] is None:
+            raise CallbackRefused(409, "already_used", flow)
+        try:
+            return unseal(
+                row[0], purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=self._keys.sealing
+            ).decode()
+        except InvalidSeal:
+            raise CallbackRefused(400, "verifier_unreadable", flow) from None
+
+    async def complete(
+        self,
+        session: AsyncSession,
+        *,
+        flow: FlowView,
+        tokens: oauth.TokenSet,
+        label: str | None,
+    ) -> bool:
+        """Store the sealed tokens and complete the flow, in the caller's single transaction."""
+        won = await flows.transition(
+            session,
+            flow_id=flow.id,
+            principal=flow.principal,
+            from_statuses=(FlowStatus.exchanging,),
+            to_status=FlowStatus.completed,
+            only_unexpired=False,
+            sealed_pkce_verifier=None,
+            account_label=label,
+            failure=None,
+        )
+        if not won:
+            return False
+        await credentials.store(
+            session,
+            keys=self._keys.sealing,
+            principal=flow.principal,
+            provider=flow.provider,
+            audience=flow.audience,
+            secret=tokens.secret(),
+            scopes=tokens.scopes,
+            account_label=label,
+            expires_at=tokens.expires_at,
+        )
+        await self._notifier.publish(session, flow.id)
+        self._security.event("credential.stored", flow_id=flow.id)
+        return True
+
+    async def provider_refused(self, session: AsyncSession, *, flow: FlowView, error: str) -> None:
+        """The provider sent the browser back with `error=` (state and session already checked).
+
+        `access_denied` is the user's "no": the flow is declined. Any other error is the provider's
+        problem: `authorizing → pending` with the reason, so the page says what happened and the
+        user can start again. Only known RFC 6749 codes are kept (the value is request input).
+        """
+        if error == "access_denied":
+            to_status, failure = FlowStatus.declined, None
+        else:
+            to_status = FlowStatus.pending
+            failure = f"authorize_error:{error}" if error in AUTHORIZE_ERRORS else "authorize_error"
+        if await flows.transition(
+            session,
+            flow_id=flow.id,
+            principal=flow.principal,
+            from_statuses=(FlowStatus.authorizing,),
+            to_status=to_status,
+            sealed_pkce_verifier=None,
+            failure=failure,
+        ):
+            await self._notifier.publish(session, flow.id)
+
+    async def verify_id_token(
+        self, provider: OAuthProviderSettings, tokens: oauth.TokenSet, state: str
+    ) -> dict[str, Any]:
+        """For `oidc` providers: the ID token must be signed by the issuer, for us, with our nonce.
+        Returns its claims ({} for other providers).
+
+        Raises:
+            oauth.UpstreamError: missing or invalid ID token.
+        """
+        if provider.kind != "oidc":
+            return {}
+        if tokens.id_token is None:
+            raise oauth.UpstreamError("id_token_missing")
+        assert provider.issuer is not None
+        try:
+            header = jws.extract_compact(tokens.id_token.encode()).protected
+            kid = header.get("kid")
+            keys = await self._issuers(provider.issuer).keys_for(
+                kid if isinstance(kid, str) else None
+            )
+            decoded = jwt.decode(
+                tokens.id_token, keys, algorithms=["RS256", "PS256", "ES256", "EdDSA"]
+            )
+            JWTClaimsRegistry(
+                leeway=60,
+                iss={"essential": True, "value": provider.issuer},
+                aud={"essential": True, "value": provider.client_id},
+                exp={"essential": True},
+                nonce={"essential": True, "value": oauth.nonce_for(state)},
+            ).validate(decoded.claims)
+        except (JoseError, ValueError, JwksUnavailable):
+            raise oauth.UpstreamError("id_token_invalid") from None
+        return dict(decoded.claims)

@@ -16,17 +16,20 @@ from collections import defaultdict
 from collections.abc import Mapping
 from datetime import timedelta
 
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
 from app import credentials
 from app.auth.principal import Principal
 from app.clock import utcnow
-from app.connect import oauth_service
+from app.connect.oauth_service import OAuthGrants
 from app.credentials import Credential
+from app.crypto import Keyring
 from app.db import POOL_TIMEOUT_SECONDS
-from app.direct import ConnectionRecord
+from app.direct import ConnectionRecord, DirectStore
 from app.models import Connection, ConnectionStatus
 from app.providers import oauth
-from app.providers.settings import OAuthProviderSettings
-from app.runtime import Runtime
+from app.providers.settings import OAuthProviderSettings, ProviderSettings
+from app.security_log import SecurityLog
 
 logger = logging.getLogger("broker.providers")
 
@@ -46,107 +49,132 @@ def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:
 KnownRows = Mapping[tuple[str, str], ConnectionRecord | None]
 
 
-async def usable_credential(
-    runtime: Runtime,
-    *,
-    principal: Principal,
-    provider: str,
-    audience: str,
-    known: KnownRows | None = None,
-) -> Credential | None:
-    """The caller's credential, refreshed first when it expires within five minutes. A row in
-    `known` (e.g. read with a finished flow, or with the calling service) is not read again."""
-    if known is not None and (provider, audience) in known:
-        row = known[provider, audience]
-    else:
-        row = await runtime.direct.find_connection(
-            principal.issuer, principal.subject, provider, audience
-        )
-    if row is None or row.status != ConnectionStatus.active:
-        return None
-    secret = credentials.open_row(row, keys=runtime.sealing_keys)
-    if secret is None:
-        return None
-    settings = runtime.settings.providers.get(provider)
-    if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
-        return credentials.as_credential(row, secret)
-    async with _process_locks[row.id]:
-        return await _refresh(
-            runtime, settings, principal=principal, provider=provider, audience=audience
-        )
+class UsableCredentials:
+    """The caller's credential for a provider, refreshed first when it is about to expire.
 
-
-async def _refresh(
-    runtime: Runtime,
-    settings: OAuthProviderSettings,
-    *,
-    principal: Principal,
-    provider: str,
-    audience: str,
-) -> Credential | None:
-    """Refresh under the row's lock, which holds a pooled connection while the provider answers
-    (up to its deadline). At most `provider_call_slots` refreshes do so at once, half the pool,
-    so a slow provider leaves the other half to everything else; a refresh that waits longer
-    than a pooled connection would is answered like a pool timeout (503, retry shortly).
+    `call_slots` bounds the refreshes that hold a pooled connection while a provider answers:
+    half the pool (pool_size of its pool_size + as many overflow), so a slow provider never
+    takes it all.
     """
-    try:
-        async with asyncio.timeout(POOL_TIMEOUT_SECONDS):
-            await runtime.provider_call_slots.acquire()
-    except TimeoutError:
-        logger.warning("oauth.refresh_busy provider=%s", provider)
-        raise
-    try:
-        return await _refresh_holding_a_slot(
-            runtime, settings, principal=principal, provider=provider, audience=audience
-        )
-    finally:
-        runtime.provider_call_slots.release()
 
+    def __init__(
+        self,
+        *,
+        store: DirectStore,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        sealing: Keyring,
+        providers: Mapping[str, ProviderSettings],
+        grants: OAuthGrants,
+        call_slots: asyncio.Semaphore,
+        security: SecurityLog,
+    ) -> None:
+        self._store = store
+        self._sessionmaker = sessionmaker
+        self._sealing = sealing
+        self._providers = providers
+        self._grants = grants
+        self._call_slots = call_slots
+        self._security = security
 
-async def _refresh_holding_a_slot(
-    runtime: Runtime,
-    settings: OAuthProviderSettings,
-    *,
-    principal: Principal,
-    provider: str,
-    audience: str,
-) -> Credential | None:
-    async with runtime.sessionmaker.begin() as session:
-        row = await credentials.find(
-            session, principal=principal, provider=provider, audience=audience, for_update=True
-        )
+    async def usable(
+        self,
+        *,
+        principal: Principal,
+        provider: str,
+        audience: str,
+        known: KnownRows | None = None,
+    ) -> Credential | None:
+        """The caller's credential, refreshed first when it expires within five minutes. A row in
+        `known` (e.g. read with a finished flow, or with the calling service) is not read again."""
+        if known is not None and (provider, audience) in known:
+            row = known[provider, audience]
+        else:
+            row = await self._store.find_connection(
+                principal.issuer, principal.subject, provider, audience
+            )
         if row is None or row.status != ConnectionStatus.active:
             return None
-        secret = credentials.open_row(row, keys=runtime.sealing_keys)
+        secret = credentials.open_row(row, keys=self._sealing)
         if secret is None:
             return None
-        if not _due(row, secret):  # another process refreshed while we waited for the lock
+        settings = self._providers.get(provider)
+        if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
             return credentials.as_credential(row, secret)
-        try:
-            target = await oauth_service.endpoints(runtime, settings)
-            tokens = await oauth.refresh(
-                settings,
-                runtime.http,
-                token_url=target.token_url,
-                refresh_token=secret["refresh_token"],
-                current_scopes=frozenset(row.scopes.split()),
+        async with _process_locks[row.id]:
+            return await self._refresh(
+                settings, principal=principal, provider=provider, audience=audience
             )
-        except oauth.InvalidGrant:
-            row.status = ConnectionStatus.needs_reauth
-            row.updated_at = utcnow()
-            runtime.audit("credential.refresh_rejected", provider=provider)
-            return None
-        except oauth.UpstreamError as exc:
-            logger.warning("oauth.refresh_failed provider=%s reason=%s", provider, exc.reason)
-            still_valid = row.expires_at is not None and row.expires_at > utcnow()
-            return credentials.as_credential(row, secret) if still_valid else None
-        new_secret = {**secret, **tokens.secret()}
-        credentials.replace_tokens(
-            row,
-            keys=runtime.sealing_keys,
-            secret=new_secret,
-            scopes=tokens.scopes,
-            expires_at=tokens.expires_at,
-        )
-        credential = credentials.as_credential(row, new_secret)
-    return credential  # returned only after the commit above
+
+    async def _refresh(
+        self,
+        settings: OAuthProviderSettings,
+        *,
+        principal: Principal,
+        provider: str,
+        audience: str,
+    ) -> Credential | None:
+        """Refresh under the row's lock, which holds a pooled connection while the provider answers
+        (up to its deadline). At most `provider_call_slots` refreshes do so at once, half the pool,
+        so a slow provider leaves the other half to everything else; a refresh that waits longer
+        than a pooled connection would is answered like a pool timeout (503, retry shortly).
+        """
+        try:
+            async with asyncio.timeout(POOL_TIMEOUT_SECONDS):
+                await self._call_slots.acquire()
+        except TimeoutError:
+            logger.warning("oauth.refresh_busy provider=%s", provider)
+            raise
+        try:
+            return await self._refresh_holding_a_slot(
+                settings, principal=principal, provider=provider, audience=audience
+            )
+        finally:
+            self._call_slots.release()
+
+    async def _refresh_holding_a_slot(
+        self,
+        settings: OAuthProviderSettings,
+        *,
+        principal: Principal,
+        provider: str,
+        audience: str,
+    ) -> Credential | None:
+        async with self._sessionmaker.begin() as session:
+            row = await credentials.find(
+                session, principal=principal, provider=provider, audience=audience, for_update=True
+            )
+            if row is None or row.status != ConnectionStatus.active:
+                return None
+            secret = credentials.open_row(row, keys=self._sealing)
+            if secret is None:
+                return None
+            if not _due(row, secret):  # another process refreshed while we waited for the lock
+                return credentials.as_credential(row, secret)
+            try:
+                target = await self._grants.endpoints(settings)
+                tokens = await oauth.refresh(
+                    settings,
+                    self._grants.http,
+                    token_url=target.token_url,
+                    refresh_token=secret["refresh_token"],
+                    current_scopes=frozenset(row.scopes.split()),
+                )
+            except oauth.InvalidGrant:
+                row.status = ConnectionStatus.needs_reauth
+                row.updated_at = utcnow()
+                self._security.event("credential.refresh_rejected", provider=provider)
+                return None
+            except oauth.UpstreamError as exc:
+                logger.warning("oauth.refresh_failed provider=%s reason=%s", provider, exc.reason)
+                still_valid = row.expires_at is not None and row.expires_at > utcnow()
+                return credentials.as_credential(row, secret) if still_valid else None
+            new_secret = {**secret, **tokens.secret()}
+            credentials.replace_tokens(
+                row,
+                keys=self._sealing,
+                secret=new_secret,
+                scopes=tokens.scopes,
+                expires_at=tokens.expires_at,
+            )
+            credential = credentials.as_credential(row, new_secret)
+        return credential  # returned only after the commit above

@@ -22,7 +22,7 @@ from typing import Any
 
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
-from app.connect.refresh import KnownRows, usable_credential
+from app.connect.refresh import KnownRows
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.credentials import Credential
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
@@ -93,8 +93,8 @@ async def first_usable(
     """The first usable credential among `audiences`, in their order (whatever its scopes).
     `known`: connection rows of this user already read, used instead of reading them again."""
     for audience in audiences:
-        found = await usable_credential(
-            runtime, principal=principal, provider=provider, audience=audience, known=known
+        found = await runtime.credentials.usable(
+            principal=principal, provider=provider, audience=audience, known=known
         )
         if found is not None:
             return found

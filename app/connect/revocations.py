@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import httpx2
 from sqlalchemy import delete, func, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from app import credentials
 from app.clock import utcnow
+from app.crypto import Keyring
 from app.metrics import RevocationBacklog
 from app.models import Connection, PendingRevocation
 from app.providers import oauth
-from app.providers.settings import OAuthProviderSettings
-from app.runtime import Runtime
+from app.providers.settings import OAuthProviderSettings, ProviderSettings
+from app.security_log import SecurityLog
 
 logger = logging.getLogger("broker.providers")
 
@@ -72,90 +75,9 @@ def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
     return pending
 
 
-def revocable(runtime: Runtime, provider: str) -> OAuthProviderSettings | None:
-    """The provider's settings if it can revoke a grant, else None."""
-    settings = runtime.settings.providers.get(provider)
-    if isinstance(settings, OAuthProviderSettings) and settings.revokes:
-        return settings
-    return None
-
-
-async def attempt(runtime: Runtime, claimed: Claimed) -> str | None:
-    """Ask the provider to revoke: None once it confirms, else why not."""
-    settings = revocable(runtime, claimed.provider)
-    if settings is None:
-        return NOT_CONFIGURED
-    if not claimed.secret:
-        return UNREADABLE
-    try:
-        await oauth.revoke(settings, runtime.http, claimed.secret)
-    except oauth.UpstreamError as exc:
-        return exc.reason
-    return None
-
-
-async def settle(
-    session: AsyncSession, runtime: Runtime, claimed: Claimed, failure: str | None
-) -> None:
-    """Record an attempt's outcome (the caller commits): confirmed and given-up revocations
-    leave the queue; others wait for their next attempt."""
-    attempts = claimed.attempts + 1
-    if failure not in (None, NOT_CONFIGURED, UNREADABLE) and attempts < MAX_ATTEMPTS:
-        await session.execute(
-            update(PendingRevocation)
-            .where(PendingRevocation.id == claimed.id)
-            .values(
-                attempts=attempts,
-                last_error=failure[:64],
-                next_attempt_at=utcnow() + retry_delay(attempts),
-            )
-            .execution_options(synchronize_session=False)
-        )
-        logger.info(
-            "revocation.retry_scheduled provider=%s revocation=%d attempts=%d reason=%s",
-            claimed.provider,
-            claimed.id,
-            attempts,
-            failure,
-        )
-        return
-    await session.execute(
-        delete(PendingRevocation)
-        .where(PendingRevocation.id == claimed.id)
-        .execution_options(synchronize_session=False)
-    )
-    if failure is None:
-        logger.info(
-            "revocation.confirmed provider=%s revocation=%d attempts=%d",
-            claimed.provider,
-            claimed.id,
-            attempts,
-        )
-    else:
-        runtime.audit(
-            "revocation.abandoned",
-            provider=claimed.provider,
-            revocation=str(claimed.id),
-            attempts=str(attempts),
-            reason=failure,
-        )
-
-
 def retry_delay(attempts: int) -> timedelta:
     """How long after the `attempts`-th failed attempt the next one is due."""
     return timedelta(seconds=min(FIRST_RETRY_SECONDS * 2 ** (attempts - 1), MAX_RETRY_SECONDS))
-
-
-async def sweep(runtime: Runtime) -> int:
-    """Attempt every due revocation (up to SWEEP_BATCH): how many were attempted."""
-    claimed = await _claim_due(runtime)
-    if not claimed:
-        return 0
-    failures = await asyncio.gather(*(attempt(runtime, item) for item in claimed))
-    async with runtime.sessionmaker.begin() as session:
-        for item, failure in zip(claimed, failures, strict=True):
-            await settle(session, runtime, item, failure)
-    return len(claimed)
 
 
 async def backlog(session: AsyncSession) -> RevocationBacklog:
@@ -201,15 +123,108 @@ def claim_due(now: datetime) -> ReturningUpdate[PendingRevocation]:
     )
 
 
-async def _claim_due(runtime: Runtime) -> list[Claimed]:
-    async with runtime.sessionmaker.begin() as session:
-        rows = list((await session.execute(claim_due(utcnow()))).scalars())
-    return [
-        Claimed(
-            row.id,
-            row.provider,
-            row.attempts,
-            credentials.open_row(row, keys=runtime.sealing_keys),
+class Revoker:
+    """Asks providers to revoke disconnected grants, and retries until they confirm."""
+
+    def __init__(
+        self,
+        *,
+        providers: Mapping[str, ProviderSettings],
+        http: httpx2.AsyncClient,
+        sealing: Keyring,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        security: SecurityLog,
+    ) -> None:
+        self._providers = providers
+        self._http = http
+        self.sealing = sealing
+        self._sessionmaker = sessionmaker
+        self._security = security
+
+    def revocable(self, provider: str) -> OAuthProviderSettings | None:
+        """The provider's settings if it can revoke a grant, else None."""
+        settings = self._providers.get(provider)
+        if isinstance(settings, OAuthProviderSettings) and settings.revokes:
+            return settings
+        return None
+
+    async def attempt(self, claimed: Claimed) -> str | None:
+        """Ask the provider to revoke: None once it confirms, else why not."""
+        settings = self.revocable(claimed.provider)
+        if settings is None:
+            return NOT_CONFIGURED
+        if not claimed.secret:
+            return UNREADABLE
+        try:
+            await oauth.revoke(settings, self._http, claimed.secret)
+        except oauth.UpstreamError as exc:
+            return exc.reason
+        return None
+
+    async def settle(self, session: AsyncSession, claimed: Claimed, failure: str | None) -> None:
+        """Record an attempt's outcome (the caller commits): confirmed and given-up revocations
+        leave the queue; others wait for their next attempt."""
+        attempts = claimed.attempts + 1
+        if failure not in (None, NOT_CONFIGURED, UNREADABLE) and attempts < MAX_ATTEMPTS:
+            await session.execute(
+                update(PendingRevocation)
+                .where(PendingRevocation.id == claimed.id)
+                .values(
+                    attempts=attempts,
+                    last_error=failure[:64],
+                    next_attempt_at=utcnow() + retry_delay(attempts),
+                )
+                .execution_options(synchronize_session=False)
+            )
+            logger.info(
+                "revocation.retry_scheduled provider=%s revocation=%d attempts=%d reason=%s",
+                claimed.provider,
+                claimed.id,
+                attempts,
+                failure,
+            )
+            return
+        await session.execute(
+            delete(PendingRevocation)
+            .where(PendingRevocation.id == claimed.id)
+            .execution_options(synchronize_session=False)
         )
-        for row in rows
-    ]
+        if failure is None:
+            logger.info(
+                "revocation.confirmed provider=%s revocation=%d attempts=%d",
+                claimed.provider,
+                claimed.id,
+                attempts,
+            )
+        else:
+            self._security.event(
+                "revocation.abandoned",
+                provider=claimed.provider,
+                revocation=str(claimed.id),
+                attempts=str(attempts),
+                reason=failure,
+            )
+
+    async def sweep(self) -> int:
+        """Attempt every due revocation (up to SWEEP_BATCH): how many were attempted."""
+        claimed = await self._claim_due()
+        if not claimed:
+            return 0
+        failures = await asyncio.gather(*(self.attempt(item) for item in claimed))
+        async with self._sessionmaker.begin() as session:
+            for item, failure in zip(claimed, failures, strict=True):
+                await self.settle(session, item, failure)
+        return len(claimed)
+
+    async def _claim_due(self) -> list[Claimed]:
+        async with self._sessionmaker.begin() as session:
+            rows = list((await session.execute(claim_due(utcnow()))).scalars())
+        return [
+            Claimed(
+                row.id,
+                row.provider,
+                row.attempts,
+                credentials.open_row(row, keys=self.sealing),
+            )
+            for row in rows
+        ]

@@ -50,7 +50,7 @@ async def resume_round(
             return RoundOutcome(done=read)  # the browser won the race: the user did connect
         return RoundOutcome(ended=status, flow=read.flow if read else None)
     wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-    read = await wait_for_flow(runtime, flow_id, principal, wait)
+    read = await wait_for_flow(runtime.direct, runtime.notifier, flow_id, principal, wait)
     if read is None:
         return RoundOutcome(ended=FlowStatus.expired)
     if read.flow.is_done:

@@ -7,12 +7,17 @@ import contextlib
 
 from app.auth.principal import Principal
 from app.connect import service as flows
+from app.connect.notify import FlowNotifier
 from app.connect.service import FlowRead
-from app.runtime import Runtime
+from app.direct import DirectStore
 
 
 async def wait_for_flow(
-    runtime: Runtime, flow_id: str, principal: Principal, wait_seconds: float
+    store: DirectStore,
+    notifier: FlowNotifier,
+    flow_id: str,
+    principal: Principal,
+    wait_seconds: float,
 ) -> FlowRead | None:
     """The flow (and its connection) once it is no longer open, or as it stands after
     `wait_seconds`.
@@ -22,17 +27,15 @@ async def wait_for_flow(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_seconds
-    read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+    read = await flows.read_for(store, flow_id=flow_id, principal=principal)
     if read is None or not read.flow.is_open or wait_seconds <= 0:
         return read
-    with runtime.notifier.subscribe(flow_id) as changed:
+    with notifier.subscribe(flow_id) as changed:
         while True:
             changed.clear()
-            read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+            read = await flows.read_for(store, flow_id=flow_id, principal=principal)
             remaining = deadline - loop.time()
             if read is None or not read.flow.is_open or remaining <= 0:
                 return read
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    changed.wait(), min(remaining, runtime.notifier.poll_interval)
-                )
+                await asyncio.wait_for(changed.wait(), min(remaining, notifier.poll_interval))

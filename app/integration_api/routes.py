@@ -304,7 +304,7 @@ async def delete_connection(
     _provider(runtime, service, provider)
     outcome = await disconnection.disconnect(
         session,
-        runtime,
+        runtime.revoker,
         principal=_principal(runtime, issuer, subject),
         provider=provider,
         audience=service.name,

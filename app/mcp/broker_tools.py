@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import credentials
 from app.connect.disconnect import disconnect
+from app.connect.revocations import Revoker
 from app.mcp.protocol import invalid_params, missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
@@ -16,8 +20,7 @@ from app.mcp.registry import (
     ToolResult,
 )
 from app.models import BROKER_AUDIENCE
-from app.providers.settings import is_scope_token
-from app.runtime import Runtime
+from app.providers.settings import ProviderSettings, is_scope_token
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
 CONFIRM_KEY = "confirm_disconnect"
@@ -33,9 +36,15 @@ def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 
 class BrokerTools:
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.providers = runtime.settings.providers
+    def __init__(
+        self,
+        providers: Mapping[str, ProviderSettings],
+        sessionmaker: async_sessionmaker[AsyncSession],
+        revoker: Revoker,
+    ) -> None:
+        self.providers = providers
+        self._sessionmaker = sessionmaker
+        self._revoker = revoker
 
     def register(self, registry: ToolRegistry) -> None:
         registry.add(
@@ -150,10 +159,10 @@ class BrokerTools:
         if answer is None:
             return _confirm(call, name, credential.account_label, provider)
         if answer.get("action") == "accept" and _confirmed(answer):
-            async with self.runtime.sessionmaker() as session:
+            async with self._sessionmaker() as session:
                 outcome = await disconnect(
                     session,
-                    self.runtime,
+                    self._revoker,
                     principal=call.caller.principal,
                     provider=provider,
                     audience=BROKER_AUDIENCE,
@@ -178,7 +187,7 @@ class BrokerTools:
         )
 
     async def _connections_of(self, call: ToolCall) -> list[credentials.ConnectionInfo]:
-        async with self.runtime.sessionmaker() as session:
+        async with self._sessionmaker() as session:
             return await credentials.list_for(
                 session, principal=call.caller.principal, audience=BROKER_AUDIENCE
             )
@@ -235,6 +244,11 @@ def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> I
     )
 
 
-def register_broker_tools(registry: ToolRegistry, runtime: Runtime) -> None:
+def register_broker_tools(
+    registry: ToolRegistry,
+    providers: Mapping[str, ProviderSettings],
+    sessionmaker: async_sessionmaker[AsyncSession],
+    revoker: Revoker,
+) -> None:
     """Add the four broker tools to `registry`."""
-    BrokerTools(runtime).register(registry)
+    BrokerTools(providers, sessionmaker, revoker).register(registry)

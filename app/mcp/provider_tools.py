@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import httpx2
+
 from app.mcp.registry import Tool, ToolCall, ToolRegistry, ToolResult
 from app.providers import oauth
-from app.providers.settings import OAuthProviderSettings
-from app.runtime import Runtime
+from app.providers.settings import OAuthProviderSettings, ProviderSettings
 
 WHOAMI_FIELDS = ("login", "id", "name")
 
 
-def register_provider_tools(registry: ToolRegistry, runtime: Runtime) -> None:
+def register_provider_tools(
+    registry: ToolRegistry, providers: Mapping[str, ProviderSettings], http: httpx2.AsyncClient
+) -> None:
     """`github_whoami` for the first provider built on the GitHub preset, if any."""
-    for name, provider in runtime.settings.providers.items():
+    for name, provider in providers.items():
         if isinstance(provider, OAuthProviderSettings) and provider.preset == "github":
-            registry.add(_github_whoami(runtime, name, provider))
+            registry.add(_github_whoami(http, name, provider))
             return
 
 
-def _github_whoami(runtime: Runtime, name: str, provider: OAuthProviderSettings) -> Tool:
+def _github_whoami(http: httpx2.AsyncClient, name: str, provider: OAuthProviderSettings) -> Tool:
     async def whoami(call: ToolCall) -> ToolResult:
         credential = await call.connections.require(name)
         try:
-            user = await oauth.get_api_json(provider, runtime.http, "/user", credential.secret)
+            user = await oauth.get_api_json(provider, http, "/user", credential.secret)
         except oauth.UpstreamError as exc:
             return ToolResult(
                 text=f"{provider.display_name} did not answer ({exc.reason}). If this persists, "

@@ -19,7 +19,7 @@ import httpx2
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.auth.login import safe_next
+from app.pages.login import safe_next
 
 from ..conftest import count_rows
 from ..connect import local, unique

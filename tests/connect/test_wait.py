@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
-from types import SimpleNamespace
 from typing import cast
 
 from app.auth.principal import Principal
@@ -16,9 +15,9 @@ from app.clock import utcnow
 from app.connect.notify import FlowNotifier
 from app.connect.service import FlowView
 from app.connect.wait import wait_for_flow
+from app.direct import DirectStore
 from app.direct.records import ConnectionRecord, FlowRecord
 from app.models import FlowStatus
-from app.runtime import Runtime
 
 ALICE = Principal("https://idp.example", "alice")
 OPEN = FlowRecord(
@@ -67,27 +66,25 @@ class CountingNotifier(FlowNotifier):
             yield event
 
 
-def runtime_with(store: ScriptedStore, notifier: FlowNotifier) -> Runtime:
-    return cast(Runtime, SimpleNamespace(direct=store, notifier=notifier))
-
-
-async def timed_wait(runtime: Runtime, seconds: float) -> tuple[FlowView | None, float]:
+async def timed_wait(
+    store: ScriptedStore, notifier: FlowNotifier, seconds: float
+) -> tuple[FlowView | None, float]:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    read = await wait_for_flow(runtime, "flow-1", ALICE, seconds)
+    read = await wait_for_flow(cast(DirectStore, store), notifier, "flow-1", ALICE, seconds)
     return (read.flow if read is not None else None), loop.time() - started
 
 
 async def test_a_finished_flow_is_answered_from_one_read_without_subscribing() -> None:
     store, notifier = ScriptedStore(DONE), CountingNotifier()
-    flow, _ = await timed_wait(runtime_with(store, notifier), 20)
+    flow, _ = await timed_wait(store, notifier, 20)
     assert flow is not None and flow.status == FlowStatus.completed
     assert (store.reads, notifier.subscriptions) == (1, 0)
 
 
 async def test_a_completion_between_the_first_read_and_the_subscription_is_not_missed() -> None:
     store, notifier = ScriptedStore(OPEN, DONE), CountingNotifier()  # no wake-up ever comes
-    flow, elapsed = await timed_wait(runtime_with(store, notifier), 20)
+    flow, elapsed = await timed_wait(store, notifier, 20)
     assert flow is not None and flow.status == FlowStatus.completed
     assert elapsed < SLOW_POLL / 2, "found only by polling, not by the read after subscribing"
     assert (store.reads, notifier.subscriptions) == (2, 1)
@@ -102,7 +99,7 @@ async def test_an_open_flow_is_returned_when_its_completion_wakes_the_wait() -> 
         notifier.wake("flow-1")
 
     completer = asyncio.create_task(complete_later())
-    flow, elapsed = await timed_wait(runtime_with(store, notifier), 20)
+    flow, elapsed = await timed_wait(store, notifier, 20)
     await completer
     assert flow is not None and flow.status == FlowStatus.completed
     assert elapsed < SLOW_POLL / 2
@@ -110,6 +107,6 @@ async def test_an_open_flow_is_returned_when_its_completion_wakes_the_wait() -> 
 
 async def test_without_a_wait_an_open_flow_is_returned_as_it_stands() -> None:
     store, notifier = ScriptedStore(OPEN), CountingNotifier()
-    flow, _ = await timed_wait(runtime_with(store, notifier), 0)
+    flow, _ = await timed_wait(store, notifier, 0)
     assert flow is not None and flow.status == FlowStatus.pending
     assert (store.reads, notifier.subscriptions) == (1, 0)

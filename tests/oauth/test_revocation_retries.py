@@ -125,10 +125,10 @@ async def test_a_revocation_github_failed_is_retried_until_github_confirms(
         mcp, token_for, browser, fake_github, "revoke-retry"
     )
     queued = await pending_for(db, user)
-    too_early = await revocations.sweep(runtime)
+    too_early = await runtime.revoker.sweep()
     alive_meanwhile = await github_answers(fake_github, github_token)
     with later(revocations.FIRST_RETRY_SECONDS + 1):
-        attempted = await revocations.sweep(runtime)
+        attempted = await runtime.revoker.sweep()
 
     result = tool_result(done)
     assert result["structuredContent"]["revoked_upstream"] is False
@@ -176,9 +176,9 @@ async def test_a_revocation_left_by_a_process_that_died_is_made_by_another(
     connections_left = await count_rows(db, "connections", subject=user)
     queued = await pending_for(db, user)
     alive_after_the_crash = await github_answers(fake_github, github_token)
-    still_claimed = await revocations.sweep(runtime)
+    still_claimed = await runtime.revoker.sweep()
     with later(revocations.CLAIM_SECONDS + 1):
-        attempted = await revocations.sweep(runtime)
+        attempted = await runtime.revoker.sweep()
 
     assert connections_left == 0
     assert queued == [(0, None)]
@@ -211,10 +211,10 @@ async def test_a_revocation_github_keeps_failing_is_given_up_after_the_last_atte
         for attempts in range(1, revocations.MAX_ATTEMPTS):
             delay = revocations.retry_delay(attempts).total_seconds()
             with later(ahead + delay - 5):
-                early.append(await revocations.sweep(runtime))
+                early.append(await runtime.revoker.sweep())
             ahead += delay + 1
             with later(ahead):
-                attempted.append(await revocations.sweep(runtime))
+                attempted.append(await runtime.revoker.sweep())
             queued = await pending_for(db, user)
             if attempts < revocations.MAX_ATTEMPTS - 1:
                 assert queued == [(attempts + 1, "revocation_status_500")]
@@ -254,7 +254,7 @@ async def test_a_sweep_racing_another_process_s_claim_skips_the_revocation_it_cl
         async with db.connect() as other_process:
             claiming = await other_process.begin()
             claimed = (await other_process.execute(revocations.claim_due(utcnow()))).all()
-            racing = asyncio.create_task(revocations.sweep(runtime))
+            racing = asyncio.create_task(runtime.revoker.sweep())
             await asyncio.sleep(0.5)
             waited = not racing.done()
             await claiming.commit()
@@ -290,7 +290,7 @@ async def test_a_revocation_for_a_provider_no_longer_configured_is_dropped(
             )
         )
     with caplog.at_level(logging.WARNING, logger="broker.security"):
-        attempted = await revocations.sweep(runtime)
+        attempted = await runtime.revoker.sweep()
 
     assert attempted == 1
     assert await pending_for(db, user) == []

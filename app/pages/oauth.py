@@ -8,17 +8,25 @@ from fastapi import APIRouter, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.responses import RedirectResponse, Response
 
+from app.auth.browser import BrowserSessions
 from app.auth.jwks import JwksUnavailable
+from app.config import Settings
 from app.connect import oauth_service
-from app.connect.oauth_service import CallbackRefused
-from app.connect.page_access import flow_for_user, signed_in_post
+from app.connect.oauth_service import CallbackRefused, OAuthGrants
 from app.connect.service import FlowView
-from app.deps import RuntimeDep, SessionDep
+from app.deps import (
+    BrowserSessionsDep,
+    OAuthGrantsDep,
+    SecurityDep,
+    SessionDep,
+    SettingsDep,
+)
 from app.errors import BrokerError, NotFound
 from app.models import FlowStatus
+from app.pages.access import SignedInPost, flow_for_user
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
-from app.runtime import Runtime
+from app.security_log import SecurityLog
 from app.templating import html_security_headers, render
 
 logger = logging.getLogger("broker.security")
@@ -37,16 +45,21 @@ class StartUnavailable(BrokerError):
 
 @router.post("/connect/{flow_id}/start", name="connect:start")
 async def start(
-    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+    flow_id: str,
+    posted: SignedInPost,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    security: SecurityDep,
+    grants: OAuthGrantsDep,
 ) -> Response:
-    user, _ = await signed_in_post(request, runtime, session)
-    flow = await flow_for_user(runtime, session, flow_id, user)
-    provider = runtime.settings.providers.get(flow.provider)
+    flow = await flow_for_user(session, flow_id, posted.user, sessions=sessions, security=security)
+    provider = settings.providers.get(flow.provider)
     if not isinstance(provider, OAuthProviderSettings):
         raise NotFound()
     await session.commit()  # the reads are done: no connection waits on the provider's discovery
     try:
-        target = await oauth_service.start(session, runtime, flow=flow, provider=provider)
+        target = await grants.start(session, flow=flow, provider=provider)
     except oauth.UpstreamError:
         raise StartUnavailable() from None
     if target is None:  # finished, expired or mid-exchange: show where it stands
@@ -56,25 +69,33 @@ async def start(
 
 @router.get("/oauth/{provider_name}/callback", name="oauth:callback")
 async def callback(
-    request: Request, provider_name: str, runtime: RuntimeDep, session: SessionDep
+    request: Request,
+    provider_name: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    security: SecurityDep,
+    grants: OAuthGrantsDep,
 ) -> Response:
     try:
-        flow, state = await _checked(request, provider_name, runtime, session)
+        flow, state = await _checked(
+            request, provider_name, session, settings, sessions, security, grants
+        )
     except CallbackRefused as refused:
         logger.warning("callback.refused reason=%s", refused.reason)
         return _refusal(request, refused)
     params = request.query_params
     if "error" in params:
-        await oauth_service.provider_refused(session, runtime, flow=flow, error=params["error"])
+        await grants.provider_refused(session, flow=flow, error=params["error"])
         return _see_other(f"/connect/{flow.id}")
     try:
-        verifier = await oauth_service.claim(session, runtime, flow=flow, state=state)
+        verifier = await grants.claim(session, flow=flow, state=state)
     except CallbackRefused:  # replay, double click, parallel callback: someone else won
         return _see_other(f"/connect/{flow.id}")
     await session.commit()  # the claim is durable before the code is spent (SECURITY.md §0.4)
-    provider = runtime.settings.providers[flow.provider]
+    provider = settings.providers[flow.provider]
     assert isinstance(provider, OAuthProviderSettings)
-    await _exchange_and_store(session, runtime, flow, provider, params["code"], state, verifier)
+    await _exchange_and_store(session, grants, flow, provider, params["code"], state, verifier)
     return _see_other(f"/connect/{flow.id}")
 
 
@@ -85,7 +106,13 @@ def _see_other(target: str) -> Response:
 
 
 async def _checked(
-    request: Request, provider_name: str, runtime: Runtime, session: AsyncSession
+    request: Request,
+    provider_name: str,
+    session: AsyncSession,
+    settings: Settings,
+    sessions: BrowserSessions,
+    security: SecurityLog,
+    grants: OAuthGrants,
 ) -> tuple[FlowView, str]:
     """State, provider path, expiry and the browser's identity — before anything else."""
     params = request.query_params
@@ -94,14 +121,14 @@ async def _checked(
         raise CallbackRefused(400, "oversized")
     if not state:
         raise CallbackRefused(400, "missing_state")
-    flow = await oauth_service.flow_for_state(session, runtime, state)
+    flow = await grants.flow_for_state(session, state)
     if flow is None:
         raise CallbackRefused(400, "unknown_state")
     if flow.provider != provider_name:
         raise CallbackRefused(400, "provider_mismatch")
-    user = await runtime.browser_sessions.current(session, request)
+    user = await sessions.current(session, request)
     if user is None or user.principal != flow.principal:
-        runtime.audit("callback.session_mismatch", flow_id=flow.id)
+        security.event("callback.session_mismatch", flow_id=flow.id)
         raise CallbackRefused(403, "session_mismatch")
     if flow.outcome == FlowStatus.expired:
         raise CallbackRefused(410, "expired", flow)
@@ -109,16 +136,18 @@ async def _checked(
         raise CallbackRefused(303, "already_done", flow)
     if (code is None) == (error is None):
         raise CallbackRefused(400, "code_xor_error", flow)
-    provider = runtime.settings.providers.get(flow.provider)
+    provider = settings.providers.get(flow.provider)
     await session.commit()  # the reads are done: no connection waits on the provider's discovery
     if isinstance(provider, OAuthProviderSettings) and not await _issuer_ok(
-        runtime, provider, params.get("iss")
+        grants, provider, params.get("iss")
     ):
         raise CallbackRefused(400, "issuer_mismatch", flow)
     return flow, state
 
 
-async def _issuer_ok(runtime: Runtime, provider: OAuthProviderSettings, issuer: str | None) -> bool:
+async def _issuer_ok(
+    grants: OAuthGrants, provider: OAuthProviderSettings, issuer: str | None
+) -> bool:
     """RFC 9207: a differing `iss` is refused; a missing one too when the provider says it sends
     one (mix-up defence, SECURITY.md E14)."""
     if provider.issuer is None:
@@ -126,7 +155,7 @@ async def _issuer_ok(runtime: Runtime, provider: OAuthProviderSettings, issuer: 
     if issuer is not None:
         return issuer == provider.issuer
     try:
-        metadata = await runtime.provider_jwks(provider.issuer).metadata()
+        metadata = await grants.issuer_metadata(provider.issuer)
     except JwksUnavailable:
         return True  # discovery is down: the exchange itself will fail closed
     return metadata.get("authorization_response_iss_parameter_supported") is not True
@@ -134,7 +163,7 @@ async def _issuer_ok(runtime: Runtime, provider: OAuthProviderSettings, issuer: 
 
 async def _exchange_and_store(
     session: AsyncSession,
-    runtime: Runtime,
+    grants: OAuthGrants,
     flow: FlowView,
     provider: OAuthProviderSettings,
     code: str,
@@ -142,23 +171,23 @@ async def _exchange_and_store(
     verifier: str,
 ) -> None:
     try:
-        target = await oauth_service.endpoints(runtime, provider)
+        target = await grants.endpoints(provider)
         tokens = await oauth.exchange_code(
             provider,
-            runtime.http,
+            grants.http,
             token_url=target.token_url,
             code=code,
-            redirect_uri=oauth_service.redirect_uri(runtime, flow.provider),
+            redirect_uri=grants.redirect_uri(flow.provider),
             verifier=verifier,
             requested=flow.scopes,
         )
-        id_claims = await oauth_service.verify_id_token(runtime, provider, tokens, state)
+        id_claims = await grants.verify_id_token(provider, tokens, state)
     except oauth.UpstreamError as exc:
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
-    label = await oauth.account_label(provider, runtime.http, tokens, id_claims)
-    await oauth_service.complete(session, runtime, flow=flow, tokens=tokens, label=label)
+    label = await oauth.account_label(provider, grants.http, tokens, id_claims)
+    await grants.complete(session, flow=flow, tokens=tokens, label=label)
 
 
 REFUSALS = {

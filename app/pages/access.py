@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.exceptions import HTTPException
 
-from app.auth.browser import BrowserUser, same_origin_post
+from app.auth.browser import BrowserSessions, BrowserUser, same_origin_post
 from app.connect import service as flows
 from app.connect.service import FlowView
+from app.deps import BrowserSessionsDep, BrowserUserDep, SettingsDep
 from app.errors import CsrfFailed, Forbidden, NotFound, PayloadTooLarge
-from app.runtime import Runtime
+from app.security_log import SecurityLog
 
 FLOW_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # fullmatch: `$` allows a trailing newline
 MAX_FORM_BYTES = 16 * 1024
@@ -37,23 +40,46 @@ class SignInRequired(Forbidden):
 
 
 async def flow_for_user(
-    runtime: Runtime, session: AsyncSession, flow_id: str, user: BrowserUser
+    session: AsyncSession,
+    flow_id: str,
+    user: BrowserUser,
+    *,
+    sessions: BrowserSessions,
+    security: SecurityLog,
 ) -> FlowView:
+    """The flow `flow_id` when it is `user`'s own; a refusal page (and an event) otherwise."""
     if not FLOW_ID.fullmatch(flow_id):
         raise NotFound()
     flow = await flows.get(session, flow_id=flow_id)
     if flow is None:
         raise NotFound()
     if flow.principal != user.principal:
-        runtime.audit("connect.identity_mismatch", flow_id=flow.id)
-        raise WrongAccount(
-            page={"show_logout": True, "csrf_token": runtime.browser_sessions.csrf_token(user)}
-        )
+        security.event("connect.identity_mismatch", flow_id=flow.id)
+        raise WrongAccount(page={"show_logout": True, "csrf_token": sessions.csrf_token(user)})
     return flow
 
 
-async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> dict[str, str]:
-    if not same_origin_post(request, runtime.settings.public_origin):
+@dataclass(frozen=True, slots=True)
+class SignedInForm:
+    user: BrowserUser
+    values: dict[str, str]
+
+
+async def signed_in_post(
+    request: Request,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    user: BrowserUserDep,
+) -> SignedInForm:
+    """The signed-in user and the form of a same-origin POST carrying their CSRF token.
+
+    Raises:
+        SignInRequired: no live browser session.
+        CsrfFailed: cross-site, or a missing or foreign CSRF token.
+    """
+    if user is None:
+        raise SignInRequired()
+    if not same_origin_post(request, settings.public_origin):
         raise CsrfFailed()
     declared = request.headers.get("content-length", "0")
     if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
@@ -63,21 +89,9 @@ async def posted_form(request: Request, runtime: Runtime, user: BrowserUser) -> 
     except HTTPException:
         raise PayloadTooLarge() from None
     values = {key: str(value) for key, value in form.items()}
-    if not runtime.browser_sessions.csrf_valid(user, values.get("csrf")):
+    if not sessions.csrf_valid(user, values.get("csrf")):
         raise CsrfFailed()
-    return values
+    return SignedInForm(user, values)
 
 
-async def signed_in_post(
-    request: Request, runtime: Runtime, session: AsyncSession
-) -> tuple[BrowserUser, dict[str, str]]:
-    """The signed-in user and the form of a same-origin POST carrying their CSRF token.
-
-    Raises:
-        SignInRequired: no live browser session.
-        CsrfFailed: cross-site, or a missing or foreign CSRF token.
-    """
-    user = await runtime.browser_sessions.current(session, request)
-    if user is None:
-        raise SignInRequired()
-    return user, await posted_form(request, runtime, user)
+SignedInPost = Annotated[SignedInForm, Depends(signed_in_post)]

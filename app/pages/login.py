@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx2
 from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
@@ -25,17 +25,22 @@ from joserfc.jwt import JWTClaimsRegistry
 from starlette.responses import RedirectResponse, Response
 
 from app.auth.browser import LOGIN_COOKIE, SESSION_COOKIE, same_origin_post, set_cookie
-from app.auth.jwks import JwksUnavailable
+from app.auth.jwks import JwksCache, JwksUnavailable
 from app.auth.principal import Principal
 from app.clock import utcnow
-from app.crypto import InvalidSeal, constant_time_equal, random_token, seal, unseal
-from app.deps import RuntimeDep, SessionDep
+from app.config import Settings
+from app.crypto import InvalidSeal, Keys, constant_time_equal, random_token, seal, unseal
+from app.deps import (
+    BrowserSessionsDep,
+    BrowserUserDep,
+    IdentityIssuerDep,
+    KeysDep,
+    SessionDep,
+    SettingsDep,
+)
 from app.display import display_text
 from app.errors import BadLogin, CsrfFailed, ServiceUnavailable
 from app.templating import render
-
-if TYPE_CHECKING:
-    from app.runtime import Runtime
 
 logger = logging.getLogger("broker.security")
 router = APIRouter(include_in_schema=False)
@@ -55,10 +60,12 @@ def safe_next(value: str | None) -> str:
 
 
 @router.get("/login", name="login:start")
-async def login(request: Request, runtime: RuntimeDep) -> Response:
-    metadata = await _metadata(runtime)
+async def login(
+    request: Request, settings: SettingsDep, issuer: IdentityIssuerDep, keys: KeysDep
+) -> Response:
+    metadata = await _metadata(issuer)
     state, nonce, verifier = random_token(), random_token(), random_token() + random_token()
-    async with _client(runtime) as client:
+    async with _client(settings) as client:
         # max_age makes the IdP re-authenticate a stale IdP session and report auth_time, so a
         # "sign in again" after login_max_age_seconds cannot be satisfied by silent SSO (D12).
         url, _ = client.create_authorization_url(
@@ -66,7 +73,7 @@ async def login(request: Request, runtime: RuntimeDep) -> Response:
             state=state,
             nonce=nonce,
             code_verifier=verifier,
-            max_age=runtime.settings.server.login_max_age_seconds,
+            max_age=settings.server.login_max_age_seconds,
         )
     record = {
         "s": state,
@@ -78,16 +85,23 @@ async def login(request: Request, runtime: RuntimeDep) -> Response:
     set_cookie(
         response,
         LOGIN_COOKIE,
-        seal(json.dumps(record).encode(), purpose="login:v1", keys=runtime.sealing_keys),
+        seal(json.dumps(record).encode(), purpose="login:v1", keys=keys.sealing),
         max_age=LOGIN_TTL_SECONDS,
     )
     return response
 
 
 @router.get("/login/callback", name="login:callback")
-async def login_callback(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
+async def login_callback(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    issuer: IdentityIssuerDep,
+    keys: KeysDep,
+    sessions: BrowserSessionsDep,
+) -> Response:
     params = request.query_params
-    record = _login_record(request, runtime)
+    record = _login_record(request, keys)
     state = params.get("state", "")
     if (
         record is None
@@ -104,15 +118,15 @@ async def login_callback(request: Request, runtime: RuntimeDep, session: Session
     code = params.get("code", "")
     if not code or len(code) > MAX_PARAM_LENGTH:
         raise BadLogin()
-    claims = await _exchange(runtime, code=code, verifier=str(record["v"]))
-    _check_id_token(runtime, claims, nonce=str(record["n"]))
-    identity_claim = runtime.settings.identity.identity_claim
+    claims = await _exchange(settings, issuer, code=code, verifier=str(record["v"]))
+    _check_id_token(settings, claims, nonce=str(record["n"]))
+    identity_claim = settings.identity.identity_claim
     response = RedirectResponse(str(record["next"]), status_code=303)
     response.delete_cookie(LOGIN_COOKIE, path="/", secure=True, httponly=True, samesite="lax")
-    await runtime.browser_sessions.start(
+    await sessions.start(
         session,
         response,
-        principal=Principal(runtime.settings.identity.issuer, str(claims[identity_claim])),
+        principal=Principal(settings.identity.issuer, str(claims[identity_claim])),
         display_name=_display_name(claims),
         auth_time=_auth_time(claims),
         previous_id=request.cookies.get(SESSION_COOKIE),
@@ -121,37 +135,42 @@ async def login_callback(request: Request, runtime: RuntimeDep, session: Session
 
 
 @router.post("/logout", name="login:logout")
-async def logout(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
-    if not same_origin_post(request, runtime.settings.public_origin):
+async def logout(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    user: BrowserUserDep,
+) -> Response:
+    if not same_origin_post(request, settings.public_origin):
         raise CsrfFailed()
-    user = await runtime.browser_sessions.current(session, request)
     if user is not None:
         form = await request.form(max_files=0, max_fields=4)
-        if not runtime.browser_sessions.csrf_valid(user, str(form.get("csrf") or "")):
+        if not sessions.csrf_valid(user, str(form.get("csrf") or "")):
             raise CsrfFailed()
     response = render(request, "login/signed_out.html")
-    await runtime.browser_sessions.end(session, request, response)
+    await sessions.end(session, request, response)
     return response
 
 
-def _login_record(request: Request, runtime: Runtime) -> dict[str, Any] | None:
+def _login_record(request: Request, keys: Keys) -> dict[str, Any] | None:
     cookie = request.cookies.get(LOGIN_COOKIE)
     if not cookie or len(cookie) > 4096:
         return None
     try:
-        record = json.loads(unseal(cookie, purpose="login:v1", keys=runtime.sealing_keys))
+        record = json.loads(unseal(cookie, purpose="login:v1", keys=keys.sealing))
     except (InvalidSeal, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
 
-def _client(runtime: Runtime) -> AsyncOAuth2Client:
-    identity = runtime.settings.identity
+def _client(settings: Settings) -> AsyncOAuth2Client:
+    identity = settings.identity
     return AsyncOAuth2Client(
         client_id=identity.login_client_id,
         client_secret=identity.login_client_secret.get_secret_value() or None,
         scope="openid profile",
-        redirect_uri=f"{runtime.settings.public_url}/login/callback",
+        redirect_uri=f"{settings.public_url}/login/callback",
         code_challenge_method="S256",
         token_endpoint_auth_method=(
             "client_secret_basic" if identity.login_client_secret.get_secret_value() else "none"
@@ -162,18 +181,20 @@ def _client(runtime: Runtime) -> AsyncOAuth2Client:
     )
 
 
-async def _metadata(runtime: Runtime) -> dict[str, object]:
+async def _metadata(issuer: JwksCache) -> dict[str, object]:
     try:
-        metadata: dict[str, object] = await runtime.issuer.metadata()
+        metadata: dict[str, object] = await issuer.metadata()
     except JwksUnavailable:
         raise ServiceUnavailable() from None
     return metadata
 
 
-async def _exchange(runtime: Runtime, *, code: str, verifier: str) -> dict[str, Any]:
-    metadata = await _metadata(runtime)
+async def _exchange(
+    settings: Settings, issuer: JwksCache, *, code: str, verifier: str
+) -> dict[str, Any]:
+    metadata = await _metadata(issuer)
     try:
-        async with asyncio.timeout(TOKEN_DEADLINE_SECONDS), _client(runtime) as client:
+        async with asyncio.timeout(TOKEN_DEADLINE_SECONDS), _client(settings) as client:
             token = await client.fetch_token(
                 str(metadata["token_endpoint"]), code=code, code_verifier=verifier
             )
@@ -181,8 +202,8 @@ async def _exchange(runtime: Runtime, *, code: str, verifier: str) -> dict[str, 
         if not isinstance(id_token, str):
             raise BadLogin()
         kid = jws.extract_compact(id_token.encode()).protected.get("kid")
-        keys = await runtime.issuer.keys_for(kid if isinstance(kid, str) else None)
-        decoded = jwt.decode(id_token, keys, algorithms=list(runtime.settings.identity.algorithms))
+        keys = await issuer.keys_for(kid if isinstance(kid, str) else None)
+        decoded = jwt.decode(id_token, keys, algorithms=list(settings.identity.algorithms))
     except (OAuthError, httpx2.HTTPError, TimeoutError) as exc:
         _log_refused_client(exc)
         logger.warning("login.token_exchange_failed error=%s", type(exc).__name__)
@@ -213,8 +234,8 @@ def _log_refused_client(exc: Exception) -> None:
     )
 
 
-def _check_id_token(runtime: Runtime, claims: dict[str, Any], *, nonce: str) -> None:
-    identity = runtime.settings.identity
+def _check_id_token(settings: Settings, claims: dict[str, Any], *, nonce: str) -> None:
+    identity = settings.identity
     registry = JWTClaimsRegistry(
         leeway=60,
         iss={"essential": True, "value": identity.issuer},

@@ -16,25 +16,31 @@ from fastapi import APIRouter, Request
 from starlette.responses import RedirectResponse, Response
 
 from app import credentials
-from app.auth.browser import BrowserUser
+from app.auth.browser import BrowserSessions, BrowserUser
+from app.config import Settings
 from app.connect import disconnect as disconnection
 from app.connect import service as flows
-from app.connect.page_access import (
-    FLOW_ID,
-    flow_for_user,
-    signed_in_post,
-)
 from app.connect.service import FlowView
-from app.deps import RuntimeDep, SessionDep
+from app.deps import (
+    BrowserSessionsDep,
+    BrowserUserDep,
+    HttpDep,
+    KeysDep,
+    NotifierDep,
+    RevokerDep,
+    SecurityDep,
+    SessionDep,
+    SettingsDep,
+)
 from app.errors import BrokerError, NotFound
 from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, FlowStatus
+from app.pages.access import FLOW_ID, SignedInPost, flow_for_user
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import (
     ApiKeyProviderSettings,
     OAuthProviderSettings,
     ProviderSettings,
 )
-from app.runtime import Runtime
 from app.templating import render
 
 router = APIRouter(include_in_schema=False)
@@ -57,33 +63,39 @@ def _login_redirect(path: str) -> Response:
 
 @router.get("/connect/{flow_id}", name="connect:page")
 async def connect_page(
-    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+    request: Request,
+    flow_id: str,
+    user: BrowserUserDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    security: SecurityDep,
 ) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
     if user is None:
         if not FLOW_ID.fullmatch(flow_id):
             raise NotFound()
         return _login_redirect(f"/connect/{flow_id}")
-    flow = await flow_for_user(runtime, session, flow_id, user)
-    return show_flow(request, runtime, flow, user)
+    flow = await flow_for_user(session, flow_id, user, sessions=sessions, security=security)
+    return show_flow(request, settings, sessions, flow, user)
 
 
 def show_flow(
     request: Request,
-    runtime: Runtime,
+    settings: Settings,
+    sessions: BrowserSessions,
     flow: FlowView,
     user: BrowserUser,
     *,
     error: str | None = None,
     status_code: int = 200,
 ) -> Response:
-    provider = runtime.settings.providers.get(flow.provider)
+    provider = settings.providers.get(flow.provider)
     context: dict[str, Any] = {
         "flow_id": flow.id,
         "provider_name": provider.display_name if provider else flow.provider,
-        **_client(runtime, flow),
+        **_client(settings, flow),
         **_signed_in_as(user),
-        "csrf_token": runtime.browser_sessions.csrf_token(user),
+        "csrf_token": sessions.csrf_token(user),
         "account_label": flow.account_label,
     }
     outcome = flow.outcome
@@ -119,11 +131,20 @@ def show_flow(
 
 @router.post("/connect/{flow_id}/api-key", name="connect:api_key")
 async def submit_api_key(
-    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+    request: Request,
+    flow_id: str,
+    posted: SignedInPost,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+    security: SecurityDep,
+    keys: KeysDep,
+    http: HttpDep,
+    notifier: NotifierDep,
 ) -> Response:
-    user, values = await signed_in_post(request, runtime, session)
-    flow = await flow_for_user(runtime, session, flow_id, user)
-    provider = runtime.settings.providers.get(flow.provider)
+    user, values = posted.user, posted.values
+    flow = await flow_for_user(session, flow_id, user, sessions=sessions, security=security)
+    provider = settings.providers.get(flow.provider)
     if set(values) - {"csrf", "api_key"} or not isinstance(provider, ApiKeyProviderSettings):
         raise UnexpectedFields()  # e.g. a base_url: provider URLs are configuration (T16)
     if not flow.is_open:
@@ -134,13 +155,16 @@ async def submit_api_key(
     await session.commit()
     try:
         key = check_shape(provider, values.get("api_key", ""))
-        await probe(provider, key, http=runtime.http)
+        await probe(provider, key, http=http)
     except KeyRejected as rejected:
-        return show_flow(request, runtime, flow, user, error=rejected.message, status_code=400)
+        return show_flow(
+            request, settings, sessions, flow, user, error=rejected.message, status_code=400
+        )
     except ProbeUnavailable:
         return show_flow(
             request,
-            runtime,
+            settings,
+            sessions,
             flow,
             user,
             status_code=502,
@@ -156,23 +180,28 @@ async def submit_api_key(
     if won:  # the credential and the completion commit together, or not at all
         await credentials.store(
             session,
-            keys=runtime.sealing_keys,
+            keys=keys.sealing,
             principal=user.principal,
             provider=flow.provider,
             audience=flow.audience,
             secret={"api_key": key},
         )
-        await runtime.notifier.publish(session, flow.id)
-        runtime.audit("credential.stored", flow_id=flow.id)
+        await notifier.publish(session, flow.id)
+        security.event("credential.stored", flow_id=flow.id)
     return RedirectResponse(f"/connect/{flow.id}", status_code=303)
 
 
 @router.post("/connect/{flow_id}/decline", name="connect:decline")
 async def decline(
-    request: Request, flow_id: str, runtime: RuntimeDep, session: SessionDep
+    flow_id: str,
+    posted: SignedInPost,
+    session: SessionDep,
+    sessions: BrowserSessionsDep,
+    security: SecurityDep,
+    notifier: NotifierDep,
 ) -> Response:
-    user, _ = await signed_in_post(request, runtime, session)
-    flow = await flow_for_user(runtime, session, flow_id, user)
+    user = posted.user
+    flow = await flow_for_user(session, flow_id, user, sessions=sessions, security=security)
     if await flows.transition(
         session,
         flow_id=flow.id,
@@ -182,22 +211,27 @@ async def decline(
         state_digest=None,
         sealed_pkce_verifier=None,
     ):
-        await runtime.notifier.publish(session, flow.id)
+        await notifier.publish(session, flow.id)
     return RedirectResponse(f"/connect/{flow.id}", status_code=303)
 
 
 @router.get("/connections", name="connections:list")
-async def connections_page(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
-    user = await runtime.browser_sessions.current(session, request)
+async def connections_page(
+    request: Request,
+    user: BrowserUserDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    sessions: BrowserSessionsDep,
+) -> Response:
     if user is None:
         return _login_redirect("/connections")
     rows = await credentials.list_for(session, principal=user.principal, audience=None)
-    providers = runtime.settings.providers
+    providers = settings.providers
     return render(
         request,
         "connections.html",
         **_signed_in_as(user),
-        csrf_token=runtime.browser_sessions.csrf_token(user),
+        csrf_token=sessions.csrf_token(user),
         connections=[
             {
                 "provider": row.provider,
@@ -205,7 +239,7 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
                 if (p := providers.get(row.provider))
                 else row.provider,
                 "audience": row.audience,
-                "used_by": _used_by(runtime, row.audience),
+                "used_by": _used_by(settings, row.audience),
                 "account": row.account_label,
                 "status": row.status,
                 "connected_at": row.connected_at.strftime("%Y-%m-%d %H:%M UTC"),
@@ -217,14 +251,18 @@ async def connections_page(request: Request, runtime: RuntimeDep, session: Sessi
 
 @router.post("/connections/{provider}/disconnect", name="connections:disconnect")
 async def disconnect(
-    request: Request, provider: str, runtime: RuntimeDep, session: SessionDep
+    request: Request,
+    provider: str,
+    posted: SignedInPost,
+    session: SessionDep,
+    settings: SettingsDep,
+    revoker: RevokerDep,
 ) -> Response:
-    user, form = await signed_in_post(request, runtime, session)
-    if provider not in runtime.settings.providers:
+    if provider not in settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
-    audience = form.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
+    audience = posted.values.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
     outcome = await disconnection.disconnect(
-        session, runtime, principal=user.principal, provider=provider, audience=audience
+        session, revoker, principal=posted.user.principal, provider=provider, audience=audience
     )
     if outcome.upstream_failed:
         return render(
@@ -239,13 +277,13 @@ async def disconnect(
     return RedirectResponse("/connections", status_code=303)
 
 
-def _client(runtime: Runtime, flow: FlowView) -> dict[str, str | None]:
+def _client(settings: Settings, flow: FlowView) -> dict[str, str | None]:
     """Who asks, for the page: the name a client declared for itself (shown as its own claim),
     its client id, and for a sibling's flow the registered service relaying it (its stored
     name reads "<service> (via <declared name>)", app/integration_api/broker.py)."""
     if flow.audience == BROKER_AUDIENCE:
         return {"client_name": flow.client_name, "client_id": flow.client_id, "service": None}
-    service = runtime.settings.service_display_name(flow.audience)
+    service = settings.service_display_name(flow.audience)
     stored = flow.client_name or service
     prefix = f"{service} (via "
     if stored.startswith(prefix) and stored.endswith(")"):
@@ -261,11 +299,11 @@ def _signed_in_as(user: BrowserUser) -> dict[str, Any]:
     return {"user_name": identity, "idp_name": idp_name}
 
 
-def _used_by(runtime: Runtime, audience: str) -> str:
+def _used_by(settings: Settings, audience: str) -> str:
     """Who made a connection, as the user knows it: the broker's tools, or a sibling server."""
     if audience == BROKER_AUDIENCE:
         return "Connect Broker tools"
-    return runtime.settings.service_display_name(audience)
+    return settings.service_display_name(audience)
 
 
 def _display_name(providers: Mapping[str, ProviderSettings], name: str) -> str:
