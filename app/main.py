@@ -22,6 +22,7 @@ from app.auth.jwks import JwksCache, ProviderIssuers
 from app.collector import settle_for_serving
 from app.config import Settings
 from app.connect import service as flows
+from app.connect.context import RoundContext
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
@@ -99,6 +100,16 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         notifier=notifier,
         security=security,
     )
+    credentials = UsableCredentials(
+        store=store,
+        sessionmaker=sessionmaker,
+        sealing=keys.sealing,
+        providers=settings.providers,
+        grants=grants,
+        # half of the pool (pool_size + as many overflow): a slow provider never takes it all
+        call_slots=asyncio.Semaphore(settings.database.pool_size),
+        security=security,
+    )
     return Runtime(
         settings=settings,
         engine=engine,
@@ -137,16 +148,8 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
             sessionmaker=sessionmaker,
             security=security,
         ),
-        credentials=UsableCredentials(
-            store=store,
-            sessionmaker=sessionmaker,
-            sealing=keys.sealing,
-            providers=settings.providers,
-            grants=grants,
-            # half of the pool (pool_size + as many overflow): a slow provider never takes it all
-            call_slots=asyncio.Semaphore(settings.database.pool_size),
-            security=security,
-        ),
+        credentials=credentials,
+        round_context=RoundContext(settings, store, sessionmaker, notifier, credentials),
     )
 
 
@@ -172,6 +175,7 @@ def share(app: FastAPI, runtime: Runtime) -> None:
     state.oauth_grants = runtime.grants
     state.revoker = runtime.revoker
     state.credentials = runtime.credentials
+    state.round_context = runtime.round_context
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:

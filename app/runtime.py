@@ -11,6 +11,7 @@ from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.jwks import JwksCache, ProviderIssuers
 from app.config import Settings
+from app.connect.context import RoundContext
 from app.connect.notify import FlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
@@ -49,6 +50,7 @@ class Runtime:
     grants: OAuthGrants
     revoker: Revoker
     credentials: UsableCredentials
+    round_context: RoundContext
     provider_issuers: ProviderIssuers
     metrics: BrokerMetrics
     server_info: dict[str, str] = field(

@@ -22,11 +22,11 @@ from typing import Any
 
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flows
+from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
 from app.connect.service import FlowView, TooManyOpenFlows
 from app.credentials import Credential
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
-from app.runtime import Runtime
 
 TOO_MANY_OPEN_FLOWS = "Too many unfinished connect links. Finish or wait for one to expire."
 URL_ELICITATION: dict[str, Any] = {"elicitation": {"url": {}}}  # what a new flow needs declared
@@ -76,14 +76,14 @@ class Held:
     granted: frozenset[str] = field(default_factory=frozenset)
 
 
-def service_audiences(runtime: Runtime, service: str) -> tuple[str, ...]:
+def service_audiences(context: RoundContext, service: str) -> tuple[str, ...]:
     """The audiences a service reads: its own, then those its `share_from` names."""
-    shared = runtime.settings.services.get(service)
+    shared = context.settings.services.get(service)
     return (service, *(shared.share_from if shared else ()))
 
 
 async def first_usable(
-    runtime: Runtime,
+    context: RoundContext,
     principal: Principal,
     provider: str,
     audiences: tuple[str, ...],
@@ -93,7 +93,7 @@ async def first_usable(
     """The first usable credential among `audiences`, in their order (whatever its scopes).
     `known`: connection rows of this user already read, used instead of reading them again."""
     for audience in audiences:
-        found = await runtime.credentials.usable(
+        found = await context.credentials.usable(
             principal=principal, provider=provider, audience=audience, known=known
         )
         if found is not None:
@@ -112,7 +112,7 @@ def covers(
 
 
 async def held(
-    runtime: Runtime,
+    context: RoundContext,
     principal: Principal,
     provider: str,
     scopes: tuple[str, ...],
@@ -121,10 +121,10 @@ async def held(
     known: KnownRows | None = None,
 ) -> Held:
     """What the user holds for `provider` among `audiences`, checked against `scopes`."""
-    found = await first_usable(runtime, principal, provider, audiences, known=known)
+    found = await first_usable(context, principal, provider, audiences, known=known)
     if found is None:
         return Held(None)
-    if covers(runtime.settings.providers.get(provider), found, scopes):
+    if covers(context.settings.providers.get(provider), found, scopes):
         return Held(found)
     return Held(None, found.scopes)
 
@@ -144,47 +144,47 @@ def url_declared(capabilities: Mapping[str, Any]) -> bool:
     return isinstance(elicitation, dict) and isinstance(elicitation.get("url"), dict)
 
 
-def elicitation(runtime: Runtime, flow: FlowView) -> Elicitation:
+def elicitation(context: RoundContext, flow: FlowView) -> Elicitation:
     """The URL-mode elicitation pointing at the flow's connect page."""
-    provider = runtime.settings.providers[flow.provider]
+    provider = context.settings.providers[flow.provider]
     request = {
         "method": "elicitation/create",
         "params": {
             "mode": "url",
             "message": f"Connect your {provider.display_name} account to continue.",
-            "url": f"{runtime.settings.public_url}/connect/{flow.id}",
+            "url": f"{context.settings.public_url}/connect/{flow.id}",
         },
     }
     return Elicitation(flow, f"connect_{flow.provider}", request)
 
 
 async def start_round(
-    runtime: Runtime, ask: RoundAsk, *, granted: frozenset[str] = frozenset()
+    context: RoundContext, ask: RoundAsk, *, granted: frozenset[str] = frozenset()
 ) -> RequireOutcome:
     """Start a flow for `ask` (the user has no usable credential; `granted`: the scopes of the
     one that falls short). The provider must be configured."""
     if not url_declared(ask.capabilities):
         return RequireOutcome(needs_url_capability=True)
-    settings = runtime.settings.providers[ask.provider]
+    settings = context.settings.providers[ask.provider]
     try:
         flow = await flows.create(
-            runtime.direct,
+            context.store,
             caller=ask.caller,
             client_name=ask.client_name,
             provider=ask.provider,
             scopes=flow_scopes(settings, ask.scopes, granted),
             tool_name=ask.tool_name,
             args_digest=ask.args_digest,
-            ttl_seconds=runtime.settings.server.flow_ttl_seconds,
+            ttl_seconds=context.settings.server.flow_ttl_seconds,
             audience=ask.audiences[0],
         )
     except TooManyOpenFlows:
         return RequireOutcome(too_many_open_flows=TOO_MANY_OPEN_FLOWS)
-    return RequireOutcome(elicit=elicitation(runtime, flow))
+    return RequireOutcome(elicit=elicitation(context, flow))
 
 
 async def require_round(
-    runtime: Runtime, ask: RoundAsk, *, known: KnownRows | None = None
+    context: RoundContext, ask: RoundAsk, *, known: KnownRows | None = None
 ) -> RequireOutcome:
     """Round 1: the usable credential, or a new flow (or why none was started).
 
@@ -192,8 +192,8 @@ async def require_round(
     credential), `start_round` once the tool's `ConnectionRequired` reaches the endpoint.
     """
     holding = await held(
-        runtime, ask.caller.principal, ask.provider, ask.scopes, ask.audiences, known=known
+        context, ask.caller.principal, ask.provider, ask.scopes, ask.audiences, known=known
     )
     if holding.usable is not None:
         return RequireOutcome(connected=holding.usable)
-    return await start_round(runtime, ask, granted=holding.granted)
+    return await start_round(context, ask, granted=holding.granted)

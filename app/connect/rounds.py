@@ -14,10 +14,10 @@ from typing import Literal
 
 from app.auth.principal import Principal
 from app.connect import service as flows
+from app.connect.context import RoundContext
 from app.connect.service import FlowRead, FlowView
 from app.connect.wait import wait_for_flow
 from app.models import FlowStatus
-from app.runtime import Runtime
 
 ACTIONS = ("accept", "decline", "cancel")
 Action = Literal["accept", "decline", "cancel"]
@@ -37,20 +37,20 @@ class RoundOutcome:
 
 
 async def resume_round(
-    runtime: Runtime, *, flow_id: str, principal: Principal, action: Action | None
+    context: RoundContext, *, flow_id: str, principal: Principal, action: Action | None
 ) -> RoundOutcome:
     """Settle the client's answer for flow `flow_id`: a decline or cancel ends a flow that is
     still open; an accept waits (bounded) for the browser side; no answer only looks."""
     if action in ("decline", "cancel"):
         status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
-        async with runtime.sessionmaker.begin() as session:
+        async with context.sessionmaker.begin() as session:
             await flows.end_by_client(session, flow_id=flow_id, principal=principal, status=status)
-        read = await flows.read_for(runtime.direct, flow_id=flow_id, principal=principal)
+        read = await flows.read_for(context.store, flow_id=flow_id, principal=principal)
         if read is not None and read.flow.is_done:
             return RoundOutcome(done=read)  # the browser won the race: the user did connect
         return RoundOutcome(ended=status, flow=read.flow if read else None)
-    wait = runtime.settings.server.retry_wait_seconds if action == "accept" else 0
-    read = await wait_for_flow(runtime.direct, runtime.notifier, flow_id, principal, wait)
+    wait = context.settings.server.retry_wait_seconds if action == "accept" else 0
+    read = await wait_for_flow(context.store, context.notifier, flow_id, principal, wait)
     if read is None:
         return RoundOutcome(ended=FlowStatus.expired)
     if read.flow.is_done:
@@ -63,9 +63,9 @@ async def resume_round(
     )
 
 
-async def mark_delivered(runtime: Runtime, read: FlowRead) -> None:
+async def mark_delivered(context: RoundContext, read: FlowRead) -> None:
     """The client has its final answer for a done flow: a completed flow becomes consumed (a later
     identical retry still gets the answer; consumed already: no write)."""
     if read.flow.status == FlowStatus.completed:
-        async with runtime.sessionmaker.begin() as session:
+        async with context.sessionmaker.begin() as session:
             await flows.mark_consumed(session, flow_id=read.flow.id, principal=read.flow.principal)

@@ -193,7 +193,11 @@ async def usable_for(
     """The first usable credential among the audiences the service reads, its own first.
     `known`: connection rows of this user already read, used instead of reading them again."""
     found = await first_usable(
-        runtime, principal, provider, service_audiences(runtime, service.name), known=known
+        runtime.round_context,
+        principal,
+        provider,
+        service_audiences(runtime.round_context, service.name),
+        known=known,
     )
     return _usable(runtime, found) if found is not None else None
 
@@ -233,7 +237,7 @@ def _ask(
         caller=_caller(service, principal),
         provider=provider,
         scopes=tuple(body.scopes),
-        audiences=service_audiences(runtime, service.name),
+        audiences=service_audiences(runtime.round_context, service.name),
         capabilities=body.client_capabilities,
         client_name=client,
         tool_name=METHOD,
@@ -259,7 +263,7 @@ async def require_connection(
     runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> ConnectOutcome:
     ask = _ask(runtime, service, provider, principal, body)
-    return _answer(runtime, service, await require_round(runtime, ask), body)
+    return _answer(runtime, service, await require_round(runtime.round_context, ask), body)
 
 
 async def resume_connection(
@@ -287,16 +291,18 @@ async def resume_connection(
     if action is not None and action not in ACTIONS:
         raise InvalidInputResponse()
     outcome = await resume_round(
-        runtime, flow_id=payload.flow_id, principal=principal, action=action
+        runtime.round_context, flow_id=payload.flow_id, principal=principal, action=action
     )
     if outcome.done is not None:
         read = outcome.done
         known = {(read.flow.provider, read.flow.audience): read.connection}
         ask = _ask(runtime, service, provider, principal, body)
-        again = await require_round(runtime, ask, known=known)  # as `/mcp` runs the tool again
+        again = await require_round(
+            runtime.round_context, ask, known=known
+        )  # as `/mcp` runs the tool again
         if again.connected is not None:
-            await mark_delivered(runtime, read)
+            await mark_delivered(runtime.round_context, read)
         return _answer(runtime, service, again, body)
     if outcome.open is not None:
-        return _elicit(runtime, service, elicitation(runtime, outcome.open), body)
+        return _elicit(runtime, service, elicitation(runtime.round_context, outcome.open), body)
     return ConnectOutcome(status=outcome.ended or FlowStatus.expired)

@@ -276,7 +276,7 @@ async def list_connections(
     """The user's connections this service can read: its own and those it shares from."""
     principal = _principal(runtime, issuer, subject)
     items = []
-    for audience in service_audiences(runtime, service.name):
+    for audience in service_audiences(runtime.round_context, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
             if service.may_use(row.provider):
                 items.append(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.auth.principal import McpCaller
+from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
 from app.connect.require import (
     URL_ELICITATION,
@@ -56,15 +57,15 @@ class BrokerConnections:
     """
 
     def __init__(
-        self, runtime: Runtime, caller: McpCaller, *, known: KnownRows | None = None
+        self, context: RoundContext, caller: McpCaller, *, known: KnownRows | None = None
     ) -> None:
-        self._runtime = runtime
+        self._context = context
         self._caller = caller
         self._known = known
 
     async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
         holding = await held(
-            self._runtime,
+            self._context,
             self._caller.principal,
             provider,
             scopes,
@@ -129,14 +130,14 @@ class CallToolRound:
             capabilities=self.message.capabilities,
             input_responses=self.input_responses,
             state=state.data if state is not None and state.flow_id is None else None,
-            connections=BrokerConnections(self.runtime, self.caller, known=known),
+            connections=BrokerConnections(self.runtime.round_context, self.caller, known=known),
         )
         try:
             outcome = await self.tool.handler(call)
         except ConnectionRequired as need:
             return await self._start_flow(need)
         if finished_flow is not None and isinstance(outcome, ToolResult):
-            await mark_delivered(self.runtime, finished_flow)
+            await mark_delivered(self.runtime.round_context, finished_flow)
         return self._shape(outcome)
 
     def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
@@ -194,7 +195,7 @@ class CallToolRound:
             tool_name=self.tool.name,
             args_digest=self.digest,
         )
-        outcome = await start_round(self.runtime, ask, granted=need.granted)
+        outcome = await start_round(self.runtime.round_context, ask, granted=need.granted)
         if outcome.needs_url_capability:
             raise missing_capability(URL_ELICITATION)
         if outcome.too_many_open_flows is not None:
@@ -217,12 +218,12 @@ class CallToolRound:
         if response is not None and action not in ACTIONS:
             raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
         outcome = await resume_round(
-            self.runtime, flow_id=flow_id, principal=principal, action=action
+            self.runtime.round_context, flow_id=flow_id, principal=principal, action=action
         )
         if outcome.done is not None:
             return outcome.done
         if outcome.open is not None:
-            return self._elicit(elicitation(self.runtime, outcome.open))
+            return self._elicit(elicitation(self.runtime.round_context, outcome.open))
         return self._ended(outcome.flow, outcome.ended or FlowStatus.expired)
 
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
