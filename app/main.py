@@ -26,6 +26,7 @@ from app.connect.context import RoundContext
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
+from app.connect.request_state import RequestStateCodec
 from app.connect.revocations import Revoker
 from app.crypto import Keys
 from app.db import create_engine, create_sessionmaker, is_sqlite
@@ -47,7 +48,6 @@ from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import mcp_endpoint, method_not_allowed
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
-from app.mcp.request_state import RequestStateCodec
 from app.metrics import BrokerMetrics
 from app.middleware import AccessLog, BodyLimit, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes

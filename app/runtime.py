@@ -15,12 +15,12 @@ from app.connect.context import RoundContext
 from app.connect.notify import FlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
+from app.connect.request_state import RequestStateCodec
 from app.connect.revocations import Revoker
 from app.crypto import Keyring, Keys
 from app.direct import DirectStore
 from app.limits import RateLimits
 from app.mcp.registry import ToolRegistry
-from app.mcp.request_state import RequestStateCodec
 from app.metrics import BrokerMetrics
 from app.security_log import SecurityLog
 

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app import credentials
 from app.auth.principal import McpCaller, Principal
 from app.connect import revocations
+from app.connect.request_state import RequestStateCodec
 from app.crypto import (
     InvalidSeal,
     Keyring,
@@ -27,7 +28,6 @@ from app.crypto import (
     unseal,
 )
 from app.db import create_engine, create_sessionmaker
-from app.mcp.request_state import RequestStateCodec
 from app.migrate import upgrade
 from app.models import Connection, PendingRevocation
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
 from app.connect.refresh import KnownRows
+from app.connect.request_state import StateRejected
 from app.connect.require import (
     URL_ELICITATION,
     Elicitation,
@@ -32,7 +33,6 @@ from app.credentials import Credential
 from app.display import display_text
 from app.errors import BrokerError
 from app.integration_api.services import Service
-from app.mcp.protocol import JsonRpcError
 from app.models import FlowStatus
 from app.providers.settings import SCOPE_PATTERN, OAuthProviderSettings
 from app.runtime import Runtime
@@ -283,7 +283,7 @@ async def resume_connection(
             name=provider,
             arguments_digest=_binding(provider, body),
         )
-    except JsonRpcError:
+    except StateRejected:
         raise InvalidRequestState() from None
     if payload.flow_id is None:
         raise InvalidRequestState()

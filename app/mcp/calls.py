@@ -15,6 +15,7 @@ from typing import Any
 from app.auth.principal import McpCaller
 from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
+from app.connect.request_state import StatePayload, StateRejected, arguments_digest
 from app.connect.require import (
     URL_ELICITATION,
     Elicitation,
@@ -37,7 +38,6 @@ from app.mcp.registry import (
     ToolOutcome,
     ToolResult,
 )
-from app.mcp.request_state import StatePayload, arguments_digest
 from app.models import BROKER_AUDIENCE, FlowStatus
 from app.runtime import Runtime
 
@@ -107,13 +107,18 @@ class CallToolRound:
         check_arguments(self.tool.name, self.tool.arguments_validator, self.arguments)
         state: StatePayload | None = None
         if "requestState" in self.message.params:
-            state = self.runtime.codec.verify(
-                self.message.params["requestState"],
-                self.caller,
-                method="tools/call",
-                name=self.tool.name,
-                arguments_digest=self.digest,
-            )
+            try:
+                state = self.runtime.codec.verify(
+                    self.message.params["requestState"],
+                    self.caller,
+                    method="tools/call",
+                    name=self.tool.name,
+                    arguments_digest=self.digest,
+                )
+            except StateRejected as rejected:
+                raise invalid_params(
+                    "Invalid or expired requestState", reason=rejected.reason
+                ) from None
         finished_flow: FlowRead | None = None
         known: KnownRows = {}
         if state is not None and state.flow_id is not None:

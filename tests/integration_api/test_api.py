@@ -27,9 +27,9 @@ from sqlalchemy import bindparam, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.auth.principal import McpCaller, Principal
+from app.connect.request_state import RequestStateCodec
 from app.crypto import Keyring, generate_key
 from app.integration_api.broker import METHOD
-from app.mcp.request_state import RequestStateCodec
 from app.models import Flow
 
 from ..conftest import count_rows, flow_row

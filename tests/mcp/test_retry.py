@@ -29,9 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from app.auth.browser import BrowserSessions
 from app.auth.principal import McpCaller, Principal
 from app.connect import service as flow_service
+from app.connect.request_state import RequestStateCodec, arguments_digest
 from app.connect.service import purge
 from app.crypto import Keyring, generate_key
-from app.mcp.request_state import RequestStateCodec, arguments_digest
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row

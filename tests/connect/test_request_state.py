@@ -15,9 +15,8 @@ from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 from itsdangerous.encoding import base64_decode, base64_encode
 
 from app.auth.principal import McpCaller, Principal
+from app.connect.request_state import SALT, RequestStateCodec, StateRejected, arguments_digest
 from app.crypto import Keyring, generate_key
-from app.mcp.protocol import JsonRpcError
-from app.mcp.request_state import SALT, RequestStateCodec, arguments_digest
 
 MAX_AGE = 600
 CALLER = McpCaller(Principal("https://idp.example", "alice"), "client-1", frozenset())
@@ -39,15 +38,13 @@ def reference_signer(keys: Keyring) -> TimestampSigner:
 
 
 def refusal_by_both(keys: Keyring, codec: RequestStateCodec, state: str, theirs: type) -> str:
-    """The codec's -32602 reason for `state`, once itsdangerous has refused it with `theirs`."""
+    """The codec's reason for refusing `state`, once itsdangerous has refused it with `theirs`
+    (`/mcp` sends it as -32602 `data.reason`: tests/mcp/test_retry.py)."""
     with pytest.raises(theirs):
         reference_signer(keys).unsign(state, max_age=MAX_AGE)
-    with pytest.raises(JsonRpcError) as refused:
+    with pytest.raises(StateRejected) as refused:
         codec.verify(state, CALLER, **BINDING)
-    assert refused.value.code == -32602
-    data = refused.value.data
-    assert isinstance(data, dict)
-    return str(data["reason"])
+    return refused.value.reason
 
 
 def test_itsdangerous_accepts_what_the_codec_signs(keys: Keyring) -> None:

@@ -13,8 +13,9 @@ with HMAC-SHA256 and `hmac.compare_digest` directly: itsdangerous's general code
 coercion, a fresh HMAC key setup per call, padding-tolerant decoding) cost twice as much.
 Tests check tokens both ways against itsdangerous's `TimestampSigner`.
 
-Any failure is one JSON-RPC -32602 with a machine reason (`invalid`, `expired`,
-`principal_mismatch`, `request_mismatch`); the blob itself is never logged.
+Any failure is one `StateRejected` with a machine reason (`invalid`, `expired`,
+`principal_mismatch`, `request_mismatch`), which `/mcp` answers as JSON-RPC -32602 and the
+integration API as its `invalid_request_state` problem; the blob itself is never logged.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from app import jsonbytes
 from app.auth.bearer import CACHE_SIZE as TOKEN_CACHE_SIZE
 from app.auth.principal import McpCaller
 from app.crypto import Keyring, hmac_digest, hmac_sha256
-from app.mcp.protocol import JsonRpcError, invalid_params
 
 logger = logging.getLogger("broker.security")
 
@@ -43,6 +43,14 @@ SALT = "mcp.requestState.v1"
 # as many users as the verified-token cache holds: smaller, a load of more users than the
 # digest cache holds (and fewer than the token cache) would compute every digest again
 PRINCIPAL_CACHE_SIZE = TOKEN_CACHE_SIZE
+
+
+class StateRejected(Exception):
+    """A `requestState` that cannot be used; `reason` says why, for the client."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(slots=True)  # built per request; frozen would cost an object.__setattr__ per field
@@ -172,7 +180,7 @@ class RequestStateCodec:
         """Check integrity, age, principal and request binding.
 
         Raises:
-            JsonRpcError: -32602 with `data.reason`.
+            StateRejected: with its `reason`.
         """
         if not isinstance(state, str) or not state or len(state) > MAX_STATE_LENGTH:
             raise self._reject("invalid")
@@ -199,6 +207,6 @@ class RequestStateCodec:
         )
 
     @staticmethod
-    def _reject(reason: str) -> JsonRpcError:
+    def _reject(reason: str) -> StateRejected:
         logger.warning("request_state.invalid reason=%s", reason)
-        return invalid_params("Invalid or expired requestState", reason=reason)
+        return StateRejected(reason)
