@@ -94,7 +94,7 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             raise rate_limited("Too many requests for this user", wait)
         result = await method(runtime, caller, message, headers)
     except JsonRpcError as exc:
-        if message is not None and message.method == LEGACY_HANDSHAKE:
+        if (message.method if message is not None else exc.method) == LEGACY_HANDSHAKE:
             exc = refusing_initialize(exc)
         runtime.metrics.mcp_error(exc.code)
         return _error(exc, message.id if message else None)

@@ -137,11 +137,15 @@ def parse_body(body: bytes) -> Message:
     has_id = "id" in document
     request_id = document.get("id")
     if has_id and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
-        raise _invalid("The request id must be a string or an integer")
+        raise _invalid("The request id must be a string or an integer", method=method)
     params = document.get("params")
     if params is not None and not isinstance(params, dict):
         raise JsonRpcError(
-            INVALID_PARAMS, "params must be an object", http_status=400, request_id=request_id
+            INVALID_PARAMS,
+            "params must be an object",
+            http_status=400,
+            request_id=request_id,
+            method=method,
         )
     meta = (params or {}).get("_meta")
     return Message(
@@ -152,8 +156,8 @@ def parse_body(body: bytes) -> Message:
     )
 
 
-def _invalid(message: str) -> JsonRpcError:
-    return JsonRpcError(INVALID_REQUEST, message, http_status=400)
+def _invalid(message: str, *, method: str | None = None) -> JsonRpcError:
+    return JsonRpcError(INVALID_REQUEST, message, http_status=400, method=method)
 
 
 def check_message(message: Message, headers: HeaderMap) -> None:

@@ -38,9 +38,12 @@ class JsonRpcError(Exception):
         data: Any = None,
         headers: dict[str, str] | None = None,
         request_id: str | int | None = None,
+        method: str | None = None,
     ) -> None:
         super().__init__(message)
+        # the request's id and method, for errors raised before the request was fully read
         self.request_id = request_id
+        self.method = method
         self.code = code
         self.message = message
         self.http_status = http_status
@@ -72,6 +75,7 @@ def refusing_initialize(exc: JsonRpcError) -> JsonRpcError:
         data={**data, "supported": list(SUPPORTED_VERSIONS)},
         headers=exc.headers,
         request_id=exc.request_id,
+        method=exc.method,
     )
 
 

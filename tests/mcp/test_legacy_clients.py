@@ -8,6 +8,7 @@ what the request's shape earns (modern-shaped requests keep their answers).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx2
@@ -97,6 +98,58 @@ async def test_L12_other_methods_keep_their_answers(mcp: McpHttp, token_for: Any
     error = refusal(response, 400, -32020)
     assert "data" not in error
     assert not error["message"].startswith(IN_WORDS)
+
+
+async def post_raw(mcp: McpHttp, body: dict[str, Any], token: str) -> httpx2.Response:
+    """`body` as it is, whatever its params, with the method's and version's headers."""
+    headers = {"Mcp-Method": body["method"], "MCP-Protocol-Version": "2026-07-28"}
+    return await mcp.post(None, token=token, headers=headers, raw=json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "code"),
+    [(5, 400, -32602), ([], 400, -32602), (None, 400, -32602)],
+    ids=["number", "array", "null"],
+)
+async def test_L12_initialize_with_params_not_an_object_names_supported_versions(
+    mcp: McpHttp, token_for: Any, params: Any, status: int, code: int
+) -> None:
+    """`params` refused before the request is read as a message (number, array) or read as
+    empty (null): the error still names the versions, in words and in `data.supported`."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+
+    response = await post_raw(mcp, body, token_for("legacy-params"))
+
+    error = refusal(response, status, code)
+    assert error["data"]["supported"] == SUPPORTED
+    assert error["message"].startswith(IN_WORDS), error
+
+
+async def test_L12_initialize_with_a_bad_id_names_supported_versions(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    """An id of the wrong type keeps its -32600 (and no id to echo), with the versions named."""
+    body = {**LEGACY_INITIALIZE, "id": [1]}
+
+    response = await mcp.post(body, token=token_for("legacy-bad-id"))
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == -32600
+    assert error["data"] == {"supported": SUPPORTED}
+    assert error["message"].startswith(IN_WORDS), error
+
+
+async def test_L12_other_methods_with_params_not_an_object_keep_their_answer(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    """Control: tools/list with `"params": 5` is today's plain -32602."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": 5}
+
+    error = refusal(await post_raw(mcp, body, token_for("legacy-params-control")), 400, -32602)
+
+    assert "data" not in error
+    assert error["message"] == "params must be an object"
 
 
 def the_mcp_error(raised: BaseException) -> MCPError:
