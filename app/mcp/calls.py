@@ -30,6 +30,7 @@ from app.credentials import Credential
 from app.display import display_text
 from app.mcp.arguments import check_arguments
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
+from app.mcp.progress import ProgressReporter
 from app.mcp.protocol import META_CLIENT_INFO, invalid_params, missing_capability
 from app.mcp.registry import (
     ConnectionRequired,
@@ -80,10 +81,17 @@ class BrokerConnections:
 class CallToolRound:
     """One `tools/call` request: verify, resume a flow if any, run the tool, shape the answer."""
 
-    def __init__(self, runtime: Runtime, caller: McpCaller, message: Message) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        caller: McpCaller,
+        message: Message,
+        progress: ProgressReporter | None = None,
+    ) -> None:
         self.runtime = runtime
         self.caller = caller
         self.message = message
+        self.progress = progress
         params = message.params
         name = params.get("name")
         tool = runtime.registry.get(name) if isinstance(name, str) else None
@@ -136,6 +144,7 @@ class CallToolRound:
             input_responses=self.input_responses,
             state=state.data if state is not None and state.flow_id is None else None,
             connections=BrokerConnections(self.runtime.round_context, self.caller, known=known),
+            progress=self.progress,
         )
         try:
             outcome = await self.tool.handler(call)

@@ -1,4 +1,7 @@
-"""POST /mcp: the Streamable HTTP transport (JSON responses only; GET/DELETE answer 405).
+"""POST /mcp: the Streamable HTTP transport (GET/DELETE answer 405).
+
+Answers are one JSON response, or an event stream for a request that asked for progress and whose
+tool reports some (app/mcp/progress.py).
 
 Order: Origin allow-list (403) → bearer token (401/403; 429 from an address past its failed
 authentications) → Content-Type (415) → body size (413) → JSON-RPC envelope (400) → headers and
@@ -9,6 +12,7 @@ hot path and needs no routing, request object or dependency injection.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -25,11 +29,13 @@ from app.bug_report import redacted_traceback
 from app.json_message import JsonMessage
 from app.limits import client_key
 from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
-from app.mcp.methods import METHODS
+from app.mcp.methods import METHODS, Method
+from app.mcp.progress import ProgressAnswer, ProgressReporter, accepts_event_stream
 from app.mcp.protocol import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LEGACY_HANDSHAKE,
+    META_PROGRESS_TOKEN,
     META_SERVER_INFO,
     METHOD_NOT_FOUND,
     JsonRpcError,
@@ -51,11 +57,11 @@ class _HttpRefusal(Exception):
 
 def _json(
     body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
+) -> JsonMessage:
     return JsonMessage(jsonbytes.dumps(body), status, headers)
 
 
-def _error(exc: JsonRpcError, request_id: Any = None) -> Response:
+def _error(exc: JsonRpcError, request_id: Any = None) -> JsonMessage:
     body: dict[str, Any] = {"jsonrpc": "2.0"}
     rid = exc.request_id if exc.request_id is not None else request_id
     if rid is not None:
@@ -92,17 +98,53 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
         if wait:
             runtime.metrics.refused("user")
             raise rate_limited("Too many requests for this user", wait)
-        result = await method(runtime, caller, message, headers)
-    except JsonRpcError as exc:
-        if (message.method if message is not None else exc.method) == LEGACY_HANDSHAKE:
-            exc = refusing_initialize(exc)
-        runtime.metrics.mcp_error(exc.code)
-        return _error(exc, message.id if message else None)
+        if META_PROGRESS_TOKEN in message.meta and accepts_event_stream(headers):
+            answer = functools.partial(_answer, scope, runtime, caller, message, headers, method)
+            return ProgressAnswer(message.meta[META_PROGRESS_TOKEN], answer)
+        result = await method(runtime, caller, message, headers, None)
     except _HttpRefusal as refusal:
         return _json(refusal.body, refusal.status, refusal.headers)
     except ClientDisconnect:
         return Response(status_code=400)
-    except (OperationalError, DBAPIError, PoolTimeout, OSError, TimeoutError) as exc:
+    except Exception as exc:
+        return _failure(exc, scope, runtime, message)
+    return _result(runtime, message, result)
+
+
+async def _answer(
+    scope: Scope,
+    runtime: Runtime,
+    caller: McpCaller,
+    message: Message,
+    headers: HeaderMap,
+    method: Method,
+    progress: ProgressReporter,
+) -> JsonMessage:
+    """The answer of a request that may report progress (app/mcp/progress.py)."""
+    try:
+        result = await method(runtime, caller, message, headers, progress)
+    except Exception as exc:
+        return _failure(exc, scope, runtime, message)
+    return _result(runtime, message, result)
+
+
+def _result(runtime: Runtime, message: Message, result: dict[str, Any]) -> JsonMessage:
+    result["_meta"] = {META_SERVER_INFO: runtime.server_info}
+    runtime.metrics.mcp_result(message.method, str(result.get("resultType", "complete")))
+    return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
+
+
+def _failure(
+    exc: Exception, scope: Scope, runtime: Runtime, message: Message | None
+) -> JsonMessage:
+    """The JSON-RPC error answering `exc`: its own, the service's unavailability, or a bug's."""
+    request_id = message.id if message is not None else None
+    if isinstance(exc, JsonRpcError):
+        if (message.method if message is not None else exc.method) == LEGACY_HANDSHAKE:
+            exc = refusing_initialize(exc)
+        runtime.metrics.mcp_error(exc.code)
+        return _error(exc, request_id)
+    if isinstance(exc, OperationalError | DBAPIError | PoolTimeout | OSError | TimeoutError):
         logger.error("mcp.unavailable error=%s", type(exc).__name__)
         unavailable = JsonRpcError(
             INTERNAL_ERROR,
@@ -111,18 +153,15 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             headers={"Retry-After": "5"},
         )
         runtime.metrics.mcp_error(INTERNAL_ERROR)
-        return _error(unavailable, message.id if message else None)
-    except Exception as exc:  # a bug: still answer in JSON-RPC, never with a page or a stack trace
-        rid = scope.get("state", {}).get("request_id", "")
-        logger.error("mcp.internal_error rid=%s\n%s", rid, redacted_traceback(exc))
-        failure = JsonRpcError(
-            INTERNAL_ERROR, "Internal error", http_status=500, data={"reference": rid}
-        )
-        runtime.metrics.mcp_error(INTERNAL_ERROR)
-        return _error(failure, message.id if message else None)
-    result["_meta"] = {META_SERVER_INFO: runtime.server_info}
-    runtime.metrics.mcp_result(message.method, str(result.get("resultType", "complete")))
-    return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
+        return _error(unavailable, request_id)
+    # a bug: still answer in JSON-RPC, never with a page or a stack trace
+    rid = scope.get("state", {}).get("request_id", "")
+    logger.error("mcp.internal_error rid=%s\n%s", rid, redacted_traceback(exc))
+    failure = JsonRpcError(
+        INTERNAL_ERROR, "Internal error", http_status=500, data={"reference": rid}
+    )
+    runtime.metrics.mcp_error(INTERNAL_ERROR)
+    return _error(failure, request_id)
 
 
 def _plain_error(code: int, text: str) -> dict[str, Any]:

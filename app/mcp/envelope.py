@@ -1,7 +1,8 @@
 """Reading one JSON-RPC message from a POST body and checking it against the MCP headers.
 
-Order (spec/DIGEST.md §2.2, §10 q4): envelope → Mcp-Method header → params._meta → version
-header equals _meta version (-32020) → version supported (-32022) → Mcp-Name / Mcp-Param-*.
+Order (spec/DIGEST.md §2.2, §10 q4): envelope → Mcp-Method header → params._meta (with the type
+of a progressToken) → version header equals _meta version (-32020) → version supported (-32022)
+→ Mcp-Name / Mcp-Param-*.
 Notifications have no request _meta: for them only Mcp-Method and the version header are checked.
 """
 
@@ -22,6 +23,7 @@ from app.mcp.protocol import (
     INVALID_PARAMS,
     INVALID_REQUEST,
     META_CLIENT_CAPABILITIES,
+    META_PROGRESS_TOKEN,
     META_PROTOCOL_VERSION,
     PARSE_ERROR,
     SUPPORTED_VERSIONS,
@@ -30,6 +32,7 @@ from app.mcp.protocol import (
 )
 
 RequestId = str | int
+ProgressToken = str | int
 HeaderMap = Mapping[str, str]  # lower-case names; the first of repeated headers wins
 NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
@@ -179,6 +182,8 @@ def check_message(message: Message, headers: HeaderMap) -> None:
         raise _bad_meta(f"params._meta[{META_PROTOCOL_VERSION!r}] is required")
     if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
         raise _bad_meta(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an object")
+    if META_PROGRESS_TOKEN in meta and not _is_progress_token(meta[META_PROGRESS_TOKEN]):
+        raise _bad_meta(f"params._meta.{META_PROGRESS_TOKEN} must be a string or an integer")
     if _header(headers, "mcp-protocol-version") != version:
         raise _mismatch("The MCP-Protocol-Version header is missing or differs from params._meta")
     if version not in SUPPORTED_VERSIONS:
@@ -188,6 +193,11 @@ def check_message(message: Message, headers: HeaderMap) -> None:
         value = message.params.get(name_field)
         if not isinstance(value, str) or _header(headers, "mcp-name") != value:
             raise _mismatch(f"The Mcp-Name header is missing or differs from params.{name_field}")
+
+
+def _is_progress_token(value: object) -> bool:
+    """Schema `ProgressToken`: a string or an integer (a boolean is neither)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _check_notification_version(headers: HeaderMap) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from app.auth.principal import McpCaller
 from app.mcp.calls import CallToolRound
 from app.mcp.envelope import HeaderMap, Message
+from app.mcp.progress import ProgressReporter
 from app.mcp.protocol import SUPPORTED_VERSIONS, invalid_params
 from app.runtime import Runtime
 
@@ -17,11 +18,18 @@ INSTRUCTIONS = (
     "connect_account when a provider is needed; the user finishes the connection in a browser."
 )
 
-Method = Callable[[Runtime, McpCaller, Message, HeaderMap], Awaitable[dict[str, Any]]]
+# the last argument reports progress when the request asked for it (app/mcp/progress.py)
+Method = Callable[
+    [Runtime, McpCaller, Message, HeaderMap, ProgressReporter | None], Awaitable[dict[str, Any]]
+]
 
 
 async def discover(
-    runtime: Runtime, _caller: McpCaller, _message: Message, _headers: HeaderMap
+    runtime: Runtime,
+    _caller: McpCaller,
+    _message: Message,
+    _headers: HeaderMap,
+    _progress: ProgressReporter | None,
 ) -> dict[str, Any]:
     return {
         "resultType": "complete",
@@ -34,7 +42,11 @@ async def discover(
 
 
 async def list_tools(
-    runtime: Runtime, _caller: McpCaller, message: Message, _headers: HeaderMap
+    runtime: Runtime,
+    _caller: McpCaller,
+    message: Message,
+    _headers: HeaderMap,
+    _progress: ProgressReporter | None,
 ) -> dict[str, Any]:
     if message.params.get("cursor") is not None:
         raise invalid_params("Invalid cursor: tools/list has a single page")
@@ -47,9 +59,13 @@ async def list_tools(
 
 
 async def call_tool(
-    runtime: Runtime, caller: McpCaller, message: Message, headers: HeaderMap
+    runtime: Runtime,
+    caller: McpCaller,
+    message: Message,
+    headers: HeaderMap,
+    progress: ProgressReporter | None,
 ) -> dict[str, Any]:
-    return await CallToolRound(runtime, caller, message).run(headers)
+    return await CallToolRound(runtime, caller, message, progress).run(headers)
 
 
 METHODS: dict[str, Method] = {

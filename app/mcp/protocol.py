@@ -13,6 +13,8 @@ META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+# asks for notifications/progress (app/mcp/progress.py)
+META_PROGRESS_TOKEN = "progressToken"  # noqa: S105 (a protocol key, not a secret)
 LEGACY_HANDSHAKE = "initialize"  # removed in 2026-07-28 (SEP-2575); refused with our versions
 
 PARSE_ERROR = -32700  # body is not JSON

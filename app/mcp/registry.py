@@ -5,7 +5,8 @@ A tool is a name, a JSON Schema for its arguments and an async handler. The hand
 A handler that needs a user's third-party account calls `await call.connections.require(...)`;
 when the account is not connected that raises `ConnectionRequired`, and the endpoint answers with a
 URL-mode elicitation for a new connect flow, then re-runs the handler on the client's retry once
-the flow has completed.
+the flow has completed. A long tool may `await call.report_progress(done, total)`: a client that
+asked for progress then receives it on an event stream before the result.
 
     registry = ToolRegistry()
 
@@ -29,6 +30,7 @@ from jsonschema.exceptions import SchemaError
 from app.auth.principal import McpCaller
 from app.credentials import Credential
 from app.mcp.arguments import ArgumentsValidator, compile_arguments_schema
+from app.mcp.progress import ProgressReporter
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "additionalProperties": False}
@@ -77,6 +79,21 @@ class ToolCall:
     input_responses: dict[str, Any]
     state: Any  # the `state` of the InputRequired this call answers, verified; None on round 1
     connections: Connections
+    progress: ProgressReporter | None = None  # set when the client asked for progress
+
+    async def report_progress(
+        self, progress: float, total: float | None = None, message: str | None = None
+    ) -> None:
+        """Tell the client how far the call has come (`notifications/progress`), if it asked to
+        be told (a progress token, and an `Accept` listing text/event-stream); otherwise this does
+        nothing. `progress` must increase with each report; `message` is shown to the user and
+        neutralised like any outside text (app/display.py).
+
+        Raises:
+            ValueError: a value the client could not be sent (app/mcp/progress.py).
+        """
+        if self.progress is not None:
+            await self.progress.report(progress, total, message)
 
     def has_capability(self, *path: str) -> bool:
         node: Any = self.capabilities

@@ -10,6 +10,7 @@ Names and keys follow the scenario sources of `@modelcontextprotocol/conformance
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from app.mcp.registry import InputRequired, ToolCall, ToolHandler, ToolRegistry, ToolResult
@@ -238,9 +239,17 @@ async def error_handling(call: ToolCall) -> ToolResult:
     return ToolResult(text="This tool intentionally returns an error for testing", is_error=True)
 
 
+PROGRESS_STEPS = (0, 50, 100)  # of 100, about 50 ms apart, as the scenario describes
+PROGRESS_PAUSE_SECONDS = 0.05
+
+
 async def with_progress(call: ToolCall) -> ToolResult:
-    """Would report progress; the broker answers in one JSON response, so it only answers."""
-    return ToolResult(text="Done (the broker sends no progress notifications).")
+    """Reports progress 0, 50 and 100 of 100, about 50 ms apart, then answers."""
+    for step, done in enumerate(PROGRESS_STEPS):
+        if step:
+            await asyncio.sleep(PROGRESS_PAUSE_SECONDS)
+        await call.report_progress(done, total=100)
+    return ToolResult(text=f"Done after {len(PROGRESS_STEPS)} progress steps.")
 
 
 async def json_schema_2020_12(call: ToolCall) -> ToolResult:
