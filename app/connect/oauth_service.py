@@ -18,7 +18,6 @@ from typing import Any
 from joserfc import jws, jwt
 from joserfc.errors import JoseError
 from joserfc.jwt import JWTClaimsRegistry
-from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
@@ -27,10 +26,11 @@ from app.clock import utcnow
 from app.connect import service as flows
 from app.connect.service import FlowView
 from app.crypto import Digester, InvalidSeal, random_token, seal, unseal
-from app.models import Flow, FlowStatus
+from app.models import FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
 from app.runtime import Runtime
+from app.tables import flows as flows_table
 
 logger = logging.getLogger("broker.security")
 
@@ -132,9 +132,7 @@ async def start(
 
 
 async def flow_for_state(session: AsyncSession, runtime: Runtime, state: str) -> FlowView | None:
-    flow_id = await session.scalar(
-        select(Flow.id).where(Flow.state_digest == state_digester(runtime)(state))
-    )
+    flow_id = await session.scalar(flows_table.id_by_state(state_digester(runtime)(state)))
     return await flows.get(session, flow_id=flow_id) if flow_id else None
 
 
@@ -144,20 +142,8 @@ async def claim(session: AsyncSession, runtime: Runtime, *, flow: FlowView, stat
     Raises:
         CallbackRefused: someone else won, or the flow moved on.
     """
-    row = (
-        await session.execute(
-            update(Flow)
-            .where(
-                Flow.id == flow.id,
-                Flow.status == FlowStatus.authorizing,
-                Flow.state_digest == state_digester(runtime)(state),
-                Flow.expires_at > utcnow(),
-            )
-            .values(status=FlowStatus.exchanging, updated_at=utcnow())
-            .returning(Flow.sealed_pkce_verifier)
-            .execution_options(synchronize_session=False)
-        )
-    ).first()
+    statement = flows_table.claim(flow.id, state_digester(runtime)(state), utcnow())
+    row = (await session.execute(statement)).first()
     if row is None or row[0] is None:
         raise CallbackRefused(409, "already_used", flow)
     try:
