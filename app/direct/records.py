@@ -11,7 +11,7 @@ of these. Nothing mutates them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -62,20 +62,7 @@ CONNECTION_COLUMNS = tuple(
     f"{PREFIX}{name}"
     for name in ("id", "status", "sealed_credential", "scopes", "account_label", "expires_at")
 )
-FLOW_COLUMNS = (
-    "id",
-    "issuer",
-    "subject",
-    "client_id",
-    "client_name",
-    "audience",
-    "provider",
-    "scopes",
-    "status",
-    "account_label",
-    "failure",
-    "expires_at",
-)
+FLOW_COLUMNS = tuple(field.name for field in fields(FlowRecord))
 SERVICE_COLUMNS = ("name", "providers")
 
 # A stored time as the driver gives it (SQLite: text), made an aware datetime.
@@ -127,23 +114,10 @@ class RowReader:
     def flow_and_connection(self, row: Row) -> tuple[FlowRecord, ConnectionRecord | None]:
         """The flow, and its owner's connection for its provider and audience, if any."""
         assert self._flow is not None
-        (id_, issuer, subject, client_id, client_name, audience, provider, scopes, status,
-         account_label, failure, expires_at) = self._flow(row)  # fmt: skip
-        flow = FlowRecord(
-            id=id_,
-            issuer=issuer,
-            subject=subject,
-            client_id=client_id,
-            client_name=client_name,
-            audience=audience,
-            provider=provider,
-            scopes=scopes,
-            status=status,
-            account_label=account_label,
-            failure=failure,
-            expires_at=self._time(expires_at),
-        )
-        return flow, self.connection((issuer, subject, provider, audience), row)
+        flow = FlowRecord(*self._flow(row))  # FLOW_COLUMNS are its fields, in order
+        flow.expires_at = self._time(flow.expires_at)  # as the driver gave it, until here
+        key = (flow.issuer, flow.subject, flow.provider, flow.audience)
+        return flow, self.connection(key, row)
 
     def service(self, row: Row) -> ServiceRecord:
         assert self._service is not None
