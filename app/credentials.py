@@ -3,7 +3,8 @@
 A credential is sealed (AES-GCM, app/crypto.py) with the purpose
 "cred:v1|<issuer>|<subject>|<provider>|<audience>" as associated data, so a ciphertext copied into
 another user's or provider's row does not open (SECURITY.md I4): such a row is treated as absent,
-logged as `credential.decrypt_failed`, and the next tool call elicits a new connection.
+logged as `credential.decrypt_failed`, and the next tool call elicits a new connection. The
+statements on `connections` are app/tables/connections.py's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from sqlalchemy import delete, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import jsonbytes
@@ -23,6 +23,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
 from app.models import Connection, ConnectionStatus, PendingRevocation
+from app.tables import connections as connections_table
 
 logger = logging.getLogger("broker.security")
 
@@ -114,18 +115,7 @@ async def store(
         "updated_at": now,
     }
     dialect = session.bind.dialect.name if session.bind else "sqlite"
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(Connection).values(**values)
-    update = {
-        k: v
-        for k, v in values.items()
-        if k not in ("issuer", "subject", "provider", "audience", "created_at")
-    }
-    await session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["issuer", "subject", "provider", "audience"], set_=update
-        )
-    )
+    await session.execute(connections_table.upsert(dialect, values))
 
 
 async def find(
@@ -137,14 +127,7 @@ async def find(
     for_update: bool = False,
 ) -> Connection | None:
     """The connection row (`for_update` locks it on PostgreSQL until the transaction ends)."""
-    statement = select(Connection).where(
-        Connection.issuer == principal.issuer,
-        Connection.subject == principal.subject,
-        Connection.provider == provider,
-        Connection.audience == audience,
-    )
-    if for_update:
-        statement = statement.with_for_update()
+    statement = connections_table.find(principal, provider, audience, for_update=for_update)
     return (await session.execute(statement)).scalar_one_or_none()
 
 
@@ -206,14 +189,7 @@ async def list_for(
     session: AsyncSession, *, principal: Principal, audience: str | None
 ) -> list[ConnectionInfo]:
     """The principal's connections made through `audience`, or through any (None)."""
-    statement = select(Connection).where(
-        Connection.issuer == principal.issuer, Connection.subject == principal.subject
-    )
-    if audience is not None:
-        statement = statement.where(Connection.audience == audience)
-    rows = (
-        await session.execute(statement.order_by(Connection.provider, Connection.audience))
-    ).scalars()
+    rows = (await session.execute(connections_table.of_principal(principal, audience))).scalars()
     return [
         ConnectionInfo(
             provider=row.provider,
@@ -231,14 +207,7 @@ async def remove(
     session: AsyncSession, *, principal: Principal, provider: str, audience: str
 ) -> bool:
     """Delete the connection; True if there was one."""
-    result = await session.execute(
-        delete(Connection).where(
-            Connection.issuer == principal.issuer,
-            Connection.subject == principal.subject,
-            Connection.provider == provider,
-            Connection.audience == audience,
-        )
-    )
+    result = await session.execute(connections_table.remove(principal, provider, audience))
     return bool(getattr(result, "rowcount", 0))
 
 
@@ -249,7 +218,7 @@ async def reseal_all(session: AsyncSession, *, keys: Keyring) -> int:
     Rows that no configured key opens are left untouched and logged.
     """
     active_id, _ = keys.current()
-    connections = await session.execute(select(Connection).where(Connection.key_id != active_id))
+    connections = await session.execute(connections_table.sealed_with_another_key(active_id))
     revocations = await session.execute(
         select(PendingRevocation).where(PendingRevocation.key_id != active_id)
     )

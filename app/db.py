@@ -4,8 +4,10 @@ Plain URLs (`sqlite:///path`, `postgresql://user@host/db`) get their async drive
 bounded: a pool timeout, a connect timeout and a statement timeout, so an outage turns into a quick
 503 instead of a hang. SQL parameters are never logged (`hide_parameters`).
 
-The bounds, shared with the direct stores (app/direct/): while the database hangs or another
-connection holds SQLite's write lock, a request gets its answer within 5 s (SECURITY.md R5).
+Each connection's settings (SQLite's PRAGMAs, PostgreSQL's session settings) are set here for
+the engine and the direct store alike. The bounds, shared with the direct stores (app/direct/):
+while the database hangs or another connection holds SQLite's write lock, a request gets its
+answer within 5 s (SECURITY.md R5).
 Migrations run unbounded: building an index on a large table may take longer than a request.
 """
 
@@ -40,6 +42,8 @@ STATEMENT_WAIT_SECONDS = 4  # the client stops waiting for a statement, or for S
 WAL_LIMIT_BYTES = 64 * 1024 * 1024
 SERVER_STATEMENT_TIMEOUT_MS = 5000  # PostgreSQL's own bound, for what the client gave up on
 MIGRATION_LOCK_WAIT_SECONDS = 60  # SQLite: a migration waits this long for a running broker
+SQLITE_CACHE_KIB = -32000  # SQLite's page cache per connection: negative means KiB, not pages
+APPLICATION_NAME = "connect-broker"  # what PostgreSQL's pg_stat_activity shows
 
 
 def async_url(url: str) -> URL:
@@ -111,10 +115,7 @@ def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> Asy
             gate = gate_for(file, STATEMENT_WAIT_SECONDS)
             gate_transactions(engine, gate, busy_timeout=lock_wait)
         return engine
-    statement_bounds: dict[str, Any] = {
-        "command_timeout": STATEMENT_WAIT_SECONDS,
-        "server_settings": {"statement_timeout": str(SERVER_STATEMENT_TIMEOUT_MS)},
-    }
+    statement_bounds = {"command_timeout": STATEMENT_WAIT_SECONDS} if bounded else {}
     return create_async_engine(
         target,
         hide_parameters=True,
@@ -124,16 +125,40 @@ def create_engine(url: str, *, pool_size: int = 10, bounded: bool = True) -> Asy
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_timeout=POOL_TIMEOUT_SECONDS,
-        connect_args={"timeout": CONNECT_TIMEOUT_SECONDS, **(statement_bounds if bounded else {})},
+        connect_args={
+            "timeout": CONNECT_TIMEOUT_SECONDS,
+            "server_settings": postgres_server_settings(bounded=bounded),
+            **statement_bounds,
+        },
     )
+
+
+def set_sqlite_options(
+    connection: Any, *, busy_timeout_ms: int | None = None, wal_limit_bytes: int = WAL_LIMIT_BYTES
+) -> None:
+    """Every SQLite connection's settings, the engine's and the direct store's (a sqlite3
+    connection or cursor). `busy_timeout_ms`: how long a statement waits for another writer's
+    lock (None: as the connection was opened)."""
+    if busy_timeout_ms is not None:
+        connection.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    connection.execute("PRAGMA journal_mode = WAL")
+    connection.execute("PRAGMA synchronous = NORMAL")
+    connection.execute("PRAGMA foreign_keys = ON")
+    connection.execute(f"PRAGMA cache_size = {SQLITE_CACHE_KIB}")
+    connection.execute(f"PRAGMA journal_size_limit = {int(wal_limit_bytes)}")
+
+
+def postgres_server_settings(*, bounded: bool = True) -> dict[str, str]:
+    """Every PostgreSQL connection's session settings, the engine's and the direct store's."""
+    settings = {"application_name": APPLICATION_NAME}
+    if bounded:
+        settings["statement_timeout"] = str(SERVER_STATEMENT_TIMEOUT_MS)
+    return settings
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
+    set_sqlite_options(cursor)
     cursor.close()
 
 

@@ -38,6 +38,7 @@ from app.direct import (
 )
 from app.direct import postgres as postgres_store
 from app.direct import sqlite as sqlite_store
+from app.direct.records import insert_values
 from app.integration_api import services
 from app.migrate import upgrade
 from app.models import Flow, FlowStatus
@@ -590,9 +591,9 @@ async def test_postgresql_sends_the_calls_of_one_loop_turn_as_one_statement(
     assert [item[0].id if item else None for item in flows] == [f"flow-{i}" for i in range(8)]
     assert connections == [None] * 8
     assert statements == [
-        postgres_store.INSERT_FLOWS,
-        postgres_store.GET_FLOWS_AND_CONNECTIONS,
-        postgres_store.FIND_CONNECTIONS,
+        postgres_store.INSERT_FLOWS.sql,
+        postgres_store.GET_FLOWS_AND_CONNECTIONS.sql,
+        postgres_store.FIND_CONNECTIONS.sql,
     ]
 
 
@@ -651,9 +652,10 @@ def sqlite_path(url: str) -> str:
 def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database: Database) -> None:
     """Every round 1 inserts a flow after counting the user's open ones: that count must not read
     a table row per flow."""
-    values = ("x",) * 13  # INSERT_FLOW's ?1 … ?13
+    insert = sqlite_store.INSERT_FLOW
+    values = insert.values(dict.fromkeys(insert_values(new_flow("f", "u"), 20, str), "x"))
     with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
-        plan = connection.execute("EXPLAIN QUERY PLAN " + sqlite_store.INSERT_FLOW, values)
+        plan = connection.execute("EXPLAIN QUERY PLAN " + insert.sql, values)
         details = [row[3] for row in plan.fetchall()]
     searches = [detail for detail in details if detail.startswith("SEARCH flows")]
     assert searches == [

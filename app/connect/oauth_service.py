@@ -19,7 +19,6 @@ import httpx2
 from joserfc import jws, jwt
 from joserfc.errors import JoseError
 from joserfc.jwt import JWTClaimsRegistry
-from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
@@ -29,10 +28,11 @@ from app.connect import service as flows
 from app.connect.notify import FlowNotifier
 from app.connect.service import FlowView
 from app.crypto import Digester, InvalidSeal, Keys, random_token, seal, unseal
-from app.models import Flow, FlowStatus
+from app.models import FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
 from app.security_log import SecurityLog
+from app.tables import flows as flows_table
 
 logger = logging.getLogger("broker.security")
 
@@ -173,9 +173,7 @@ class OAuthGrants:
         )
 
     async def flow_for_state(self, session: AsyncSession, state: str) -> FlowView | None:
-        flow_id = await session.scalar(
-            select(Flow.id).where(Flow.state_digest == self._state_digest(state))
-        )
+        flow_id = await session.scalar(flows_table.id_by_state(self._state_digest(state)))
         return await flows.get(session, flow_id=flow_id) if flow_id else None
 
     async def claim(self, session: AsyncSession, *, flow: FlowView, state: str) -> str:
@@ -184,20 +182,8 @@ class OAuthGrants:
         Raises:
             CallbackRefused: someone else won, or the flow moved on.
         """
-        row = (
-            await session.execute(
-                update(Flow)
-                .where(
-                    Flow.id == flow.id,
-                    Flow.status == FlowStatus.authorizing,
-                    Flow.state_digest == self._state_digest(state),
-                    Flow.expires_at > utcnow(),
-                )
-                .values(status=FlowStatus.exchanging, updated_at=utcnow())
-                .returning(Flow.sealed_pkce_verifier)
-                .execution_options(synchronize_session=False)
-            )
-        ).first()
+        statement = flows_table.claim(flow.id, self._state_digest(state), utcnow())
+        row = (await session.execute(statement)).first()
         if row is None or row[0] is None:
             raise CallbackRefused(409, "already_used", flow)
         try:

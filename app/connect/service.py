@@ -1,5 +1,5 @@
-"""Connect-flow lifecycle. Every transition is one conditional UPDATE, so double clicks, replays
-and races have exactly one winner (DESIGN.md §5):
+"""Connect-flow lifecycle. Every transition is one conditional UPDATE (app/tables/flows.py), so
+double clicks, replays and races have exactly one winner (DESIGN.md §5):
 
     pending ─api key─▶ completed ─retry─▶ consumed
     pending|authorizing|exchanging ─decline/cancel─▶ declined|cancelled
@@ -11,19 +11,18 @@ that principal can read or move it. Flow ids are 256-bit random and carry no aut
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Delete, Select, Update, delete, select, update
+from sqlalchemy import ColumnElement
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.sql.elements import ColumnElement
 
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.crypto import random_token
 from app.direct import ConnectionRecord, DirectStore, FlowRecord, NewFlow
 from app.models import BROKER_AUDIENCE, DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
+from app.tables import flows as flows_table
 
 MAX_OPEN_FLOWS_PER_USER = 20
 PURGE_AFTER = timedelta(days=1)
@@ -161,7 +160,8 @@ async def get(session: AsyncSession, *, flow_id: str) -> FlowView | None:
     """The flow by id, for any principal (pages check the identity themselves)."""
     if not flow_id or len(flow_id) > 64:
         return None
-    flow = await session.get(Flow, flow_id, populate_existing=True)
+    statement = flows_table.by_id(flow_id).execution_options(populate_existing=True)
+    flow = (await session.execute(statement)).scalar_one_or_none()
     return _view(flow) if flow is not None else None
 
 
@@ -177,21 +177,15 @@ async def transition(
 ) -> bool:
     """Move the flow if (and only if) it is in one of `from_statuses`; True for the winner."""
     now = utcnow()
-    conditions = [
-        Flow.id == flow_id,
-        Flow.issuer == principal.issuer,
-        Flow.subject == principal.subject,
-        Flow.status.in_(from_statuses),
-    ]
-    if only_unexpired:
-        conditions.append(Flow.expires_at > now)
     completed = {"completed_at": now} if to_status == FlowStatus.completed else {}
-    result = await session.execute(
-        update(Flow)
-        .where(*conditions)
-        .values(status=to_status, updated_at=now, **completed, **values)
-        .execution_options(synchronize_session=False)
+    statement = flows_table.transition(
+        flow_id,
+        principal,
+        from_statuses=from_statuses,
+        unexpired_at=now if only_unexpired else None,
+        values={"status": to_status, "updated_at": now, **completed, **values},
     )
+    result = await session.execute(statement)
     return bool(getattr(result, "rowcount", 0))
 
 
@@ -231,55 +225,22 @@ async def purge(sessions: async_sessionmaker[AsyncSession]) -> tuple[int, int]:
     fails every minute, nor holds SQLite's write lock for seconds. Returns (expired, deleted).
     """
     now = utcnow()
-    is_open = (Flow.status.in_(OPEN_FLOW_STATUSES), Flow.expires_at <= now)
-    expired = await _in_chunks(
-        sessions,
-        lambda chunk: (
-            update(Flow)
-            .where(Flow.id.in_(chunk))
-            .values(
-                status=FlowStatus.expired,
-                updated_at=now,
-                state_digest=None,
-                sealed_pkce_verifier=None,
-            )
-        ),
-        is_open,
-    )
-    # a process that died mid-exchange leaves `exchanging`: after the lease, let the user retry
+    expired = await _in_chunks(sessions, flows_table.expire(now), flows_table.open_past_expiry(now))
     async with sessions.begin() as session:
-        await session.execute(
-            update(Flow)
-            .where(Flow.status == FlowStatus.exchanging, Flow.updated_at <= now - EXCHANGE_LEASE)
-            .values(
-                status=FlowStatus.pending,
-                updated_at=now,
-                failure="interrupted",
-                sealed_pkce_verifier=None,
-            )
-            .execution_options(synchronize_session=False)
-        )
-    # every status named: the (status, expires_at) index then serves the delete as one range per
-    # status; `expires_at` alone leads no index, and the table would be scanned every minute
-    is_old = (Flow.status.in_(tuple(FlowStatus)), Flow.expires_at <= now - PURGE_AFTER)
-    deleted = await _in_chunks(
-        sessions, lambda chunk: delete(Flow).where(Flow.id.in_(chunk)), is_old
-    )
+        await session.execute(flows_table.release_exchanges(now, EXCHANGE_LEASE))
+    is_old = flows_table.expired_before(now - PURGE_AFTER)
+    deleted = await _in_chunks(sessions, flows_table.remove, is_old)
     return expired, deleted
 
 
 async def _in_chunks(
     sessions: async_sessionmaker[AsyncSession],
-    statement: Callable[[Select[str]], Update | Delete],
+    statement: flows_table.ChunkStatement,
     condition: tuple[ColumnElement[bool], ...],
 ) -> int:
-    """Run `statement` on the flows matching `condition`, PURGE_CHUNK at a time; rows changed.
-
-    `statement` gets the chunk as a subquery of ids. The subquery locks its rows (PostgreSQL;
-    SQLite runs one writer): a flow that another transaction moves meanwhile is read again and
-    dropped if it no longer matches, one locked by a transaction still running is skipped.
-    """
-    chunk = select(Flow.id).where(*condition).limit(PURGE_CHUNK).with_for_update(skip_locked=True)
+    """Run `statement` on the flows matching `condition`, PURGE_CHUNK at a time (each chunk its
+    own transaction); rows changed."""
+    chunk = flows_table.chunk(*condition, size=PURGE_CHUNK)
     total = 0
     while True:
         async with sessions.begin() as session:

@@ -17,8 +17,9 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
 On PostgreSQL the calls of one event-loop turn share one statement (batching.py); on SQLite the
 reads of one turn share one read transaction, and the inserts one commit.
 
-Everything else (pages, transitions, refresh under a row lock, the CLI) stays on SQLAlchemy. Both
-work on the same tables built by the Alembic migrations.
+The statements are not written here: they are app/tables/'s Core statements, compiled once per
+driver (compiled.py) and read by column name (records.py). Everything else (pages, transitions,
+refresh under a row lock, the CLI) runs on SQLAlchemy sessions.
 """
 
 from __future__ import annotations

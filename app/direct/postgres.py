@@ -13,6 +13,7 @@ session state behind (asyncpg still rolls back a transaction a cancelled request
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,21 +22,22 @@ import asyncpg
 from app.db import (
     CONNECT_TIMEOUT_SECONDS,
     POOL_TIMEOUT_SECONDS,
-    SERVER_STATEMENT_TIMEOUT_MS,
     STATEMENT_WAIT_SECONDS,
+    DroppingAsyncpgDialect,
+    postgres_server_settings,
 )
 from app.direct.batching import LoopBatcher
+from app.direct.compiled import Compiled
 from app.direct.records import (
     ConnectionRecord,
     FlowRecord,
     NewFlow,
+    RowReader,
     ServiceRecord,
     StoreUnavailable,
-    connection_record,
-    flow_and_connection,
-    service_and_connection,
+    insert_values,
 )
-from app.models import OPEN_FLOW_STATUSES
+from app.tables import connections, flows, services
 
 T = TypeVar("T")
 ConnectionKey = tuple[str, str, str, str]  # issuer, subject, provider, audience
@@ -43,8 +45,13 @@ ServiceLookup = tuple[list[str], str, str, str]  # secret digests, issuer, subje
 FlowAndConnection = tuple[FlowRecord, ConnectionRecord | None]
 ServiceAndConnection = tuple[ServiceRecord, ConnectionRecord | None]
 
-OPEN_STATUSES = [str(status) for status in OPEN_FLOW_STATUSES]
 CLOSE_TIMEOUT_SECONDS = 3
+
+
+def as_given(value: T) -> T:
+    """asyncpg answers aware datetimes already."""
+    return value
+
 
 UNAVAILABLE = (
     OSError,
@@ -57,82 +64,27 @@ UNAVAILABLE = (
     asyncpg.TooManyConnectionsError,
 )
 
-# The hot statements take a batch (bind arrays, `unnest` them with their positions) and answer
-# in positions: one statement for all the calls of one loop turn (app/direct/batching.py).
-# Connections are read through `LATERAL (… LIMIT 1)` (the unique index allows one row anyway): a
-# probe of the unique index per key whatever the table statistics say, never a hash join over
-# the whole table.
-FIND_CONNECTIONS = """
-SELECT k.n, c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
-     WITH ORDINALITY AS k(issuer, subject, provider, audience, n)
-JOIN LATERAL (
-  SELECT id, status, sealed_credential, scopes, account_label, expires_at FROM connections
-  WHERE issuer = k.issuer AND subject = k.subject AND provider = k.provider
-    AND audience = k.audience
-  LIMIT 1
-) AS c ON true
-"""
-# A flow is inserted while its owner has fewer than max_open open flows, counting the flows of
-# the same owner earlier in the batch as well.
-INSERT_FLOWS = """
-INSERT INTO flows (id, issuer, subject, client_id, client_name, audience, provider, scopes,
-                   tool_name, args_digest, status, created_at, updated_at, expires_at)
-SELECT n.id, n.issuer, n.subject, n.client_id, n.client_name, n.audience, n.provider, n.scopes,
-       n.tool_name, n.args_digest, 'pending', n.created_at, n.created_at, n.expires_at
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-            $8::text[], $9::text[], $10::text[], $11::timestamptz[], $12::timestamptz[],
-            $13::int[])
-     WITH ORDINALITY AS n(id, issuer, subject, client_id, client_name, audience, provider,
-                          scopes, tool_name, args_digest, created_at, expires_at, max_open, pos)
-WHERE (SELECT count(*) FROM (
-         SELECT 1 FROM flows
-         WHERE issuer = n.issuer AND subject = n.subject AND status = ANY($14::text[])
-           AND expires_at > n.created_at
-         LIMIT n.max_open) AS open_flows)
-    + (SELECT count(*)
-       FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS e(issuer, subject, pos)
-       WHERE e.issuer = n.issuer AND e.subject = n.subject AND e.pos < n.pos) < n.max_open
-RETURNING id
-"""
-GET_FLOWS_AND_CONNECTIONS = """
-SELECT f.id, f.issuer, f.subject, f.client_id, f.client_name, f.audience, f.provider, f.scopes,
-       f.status, f.account_label, f.failure, f.expires_at,
-       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
-FROM flows AS f
-LEFT JOIN LATERAL (
-  SELECT id, status, sealed_credential, scopes, account_label, expires_at FROM connections
-  WHERE issuer = f.issuer AND subject = f.subject AND provider = f.provider
-    AND audience = f.audience
-  LIMIT 1
-) AS c ON true
-WHERE f.id = ANY($1::text[])
-"""
-FIND_SERVICE = """
-SELECT name, providers FROM service_clients
-WHERE secret_digest = ANY($1::text[]) AND revoked_at IS NULL
-LIMIT 1
-"""
-# Each call brings its own list of digests (one per configured key): ($4[i], $5[i]) says that
-# digest $5[i] belongs to call $4[i].
-FIND_SERVICES_AND_OWN_CONNECTIONS = """
-SELECT k.n, s.name, s.providers,
-       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
-FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS k(issuer, subject, provider, n)
-JOIN LATERAL (
-  SELECT name, providers FROM service_clients
-  WHERE secret_digest = ANY(ARRAY(
-          SELECT d.digest FROM unnest($4::bigint[], $5::text[]) AS d(n, digest) WHERE d.n = k.n))
-    AND revoked_at IS NULL
-  LIMIT 1
-) AS s ON true
-LEFT JOIN LATERAL (
-  SELECT id, status, sealed_credential, scopes, account_label, expires_at FROM connections
-  WHERE issuer = k.issuer AND subject = k.subject AND provider = k.provider
-    AND audience = s.name
-  LIMIT 1
-) AS c ON true
-"""
+# The tables' statements (app/tables/), compiled for asyncpg. The hot ones take a batch (arrays
+# bound and `unnest`ed with their positions) and answer in positions: one statement for all the
+# calls of one loop turn (app/direct/batching.py).
+DIALECT = DroppingAsyncpgDialect()  # type: ignore[no-untyped-call]
+FIND_CONNECTIONS = Compiled(connections.find_many(), DIALECT)
+INSERT_FLOWS = Compiled(flows.insert_many(), DIALECT)
+GET_FLOWS_AND_CONNECTIONS = Compiled(flows.read_many(), DIALECT)
+FIND_SERVICES_AND_OWN_CONNECTIONS = Compiled(services.find_with_connection_many(), DIALECT)
+READ_CONNECTIONS = RowReader(FIND_CONNECTIONS, as_given)
+READ_FLOWS = RowReader(GET_FLOWS_AND_CONNECTIONS, as_given)
+READ_SERVICES = RowReader(FIND_SERVICES_AND_OWN_CONNECTIONS, as_given)
+CALL = FIND_CONNECTIONS.columns["n"]
+SERVICE_CALL = FIND_SERVICES_AND_OWN_CONNECTIONS.columns["n"]
+FLOW_ID = GET_FLOWS_AND_CONNECTIONS.columns["id"]
+
+
+@functools.cache
+def find_service(digests: int) -> tuple[Compiled, RowReader]:
+    """The service lookup for `digests` digests (one per signing key: a handful, made once)."""
+    compiled = Compiled(services.find_one(), DIALECT, expand={"digests": digests})
+    return compiled, RowReader(compiled, as_given)
 
 
 async def _keep_session(_connection: asyncpg.Connection[Any]) -> None:
@@ -167,10 +119,7 @@ class PostgresStore:
                         max_inactive_connection_lifetime=0,
                         timeout=CONNECT_TIMEOUT_SECONDS,
                         command_timeout=STATEMENT_WAIT_SECONDS,
-                        server_settings={
-                            "statement_timeout": str(SERVER_STATEMENT_TIMEOUT_MS),
-                            "application_name": "connect-broker",
-                        },
+                        server_settings=postgres_server_settings(),
                     )
         return self._pool
 
@@ -197,38 +146,25 @@ class PostgresStore:
         return await self._connection_reads.submit((issuer, subject, provider, audience))
 
     async def _find_connections(self, keys: list[ConnectionKey]) -> list[ConnectionRecord | None]:
-        columns = [list(column) for column in zip(*keys, strict=True)]
-        rows = await self._run(lambda c: c.fetch(FIND_CONNECTIONS, *columns))
+        statement = FIND_CONNECTIONS
+        params = dict(zip(connections.KEY, map(list, zip(*keys, strict=True)), strict=True))
+        rows = await self._run(lambda c: c.fetch(statement.sql, *statement.values(params)))
         found: list[ConnectionRecord | None] = [None] * len(keys)
         for row in rows:
-            position = row[0] - 1
-            found[position] = connection_record(keys[position], row[1:], row[6])
+            position = row[CALL] - 1
+            found[position] = READ_CONNECTIONS.connection(keys[position], row)
         return found
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         return await self._flow_inserts.submit((flow, max_open))
 
     async def _insert_flows(self, batch: list[tuple[NewFlow, int]]) -> list[bool]:
-        flows = [flow for flow, _ in batch]
-        values = [
-            [flow.id for flow in flows],
-            [flow.issuer for flow in flows],
-            [flow.subject for flow in flows],
-            [flow.client_id for flow in flows],
-            [flow.client_name for flow in flows],
-            [flow.audience for flow in flows],
-            [flow.provider for flow in flows],
-            [flow.scopes for flow in flows],
-            [flow.tool_name for flow in flows],
-            [flow.args_digest for flow in flows],
-            [flow.created_at for flow in flows],
-            [flow.expires_at for flow in flows],
-            [max_open for _, max_open in batch],
-            OPEN_STATUSES,
-        ]
-        rows = await self._run(lambda c: c.fetch(INSERT_FLOWS, *values))
-        inserted = {row[0] for row in rows}
-        return [flow.id in inserted for flow in flows]
+        calls = [insert_values(flow, max_open, as_given) for flow, max_open in batch]
+        params = {name: [call[name] for call in calls] for name in calls[0]}
+        statement = INSERT_FLOWS
+        rows = await self._run(lambda c: c.fetch(statement.sql, *statement.values(params)))
+        inserted = {row["id"] for row in rows}
+        return [flow.id in inserted for flow, _ in batch]
 
     async def get_flow_and_connection(
         self, flow_id: str
@@ -238,13 +174,17 @@ class PostgresStore:
     async def _get_flows_and_connections(
         self, flow_ids: list[str]
     ) -> list[FlowAndConnection | None]:
-        rows = await self._run(lambda c: c.fetch(GET_FLOWS_AND_CONNECTIONS, flow_ids))
-        by_id = {row[0]: flow_and_connection(row, row[11], row[17]) for row in rows}
+        statement = GET_FLOWS_AND_CONNECTIONS
+        values = statement.values({"ids": flow_ids})
+        rows = await self._run(lambda c: c.fetch(statement.sql, *values))
+        by_id = {row[FLOW_ID]: READ_FLOWS.flow_and_connection(row) for row in rows}
         return [by_id.get(flow_id) for flow_id in flow_ids]
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
-        row = await self._run(lambda c: c.fetchrow(FIND_SERVICE, digests))
-        return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
+        statement, read = find_service(len(digests))
+        values = statement.values({"digests": digests})
+        row = await self._run(lambda c: c.fetchrow(statement.sql, *values))
+        return read.service(row) if row is not None else None
 
     async def find_service_and_own_connection(
         self, digests: list[str], issuer: str, subject: str, provider: str
@@ -254,20 +194,21 @@ class PostgresStore:
     async def _find_services_and_own_connections(
         self, calls: list[ServiceLookup]
     ) -> list[ServiceAndConnection | None]:
-        positions = [n for n, (digests, *_) in enumerate(calls, start=1) for _ in digests]
-        values = (
-            [issuer for _, issuer, _, _ in calls],
-            [subject for _, _, subject, _ in calls],
-            [provider for _, _, _, provider in calls],
-            positions,
-            [digest for digests, *_ in calls for digest in digests],
-        )
-        rows = await self._run(lambda c: c.fetch(FIND_SERVICES_AND_OWN_CONNECTIONS, *values))
+        params = {
+            "issuer": [issuer for _, issuer, _, _ in calls],
+            "subject": [subject for _, _, subject, _ in calls],
+            "provider": [provider for _, _, _, provider in calls],
+            "digest_call": [n for n, (digests, *_) in enumerate(calls, start=1) for _ in digests],
+            "digests": [digest for digests, *_ in calls for digest in digests],
+        }
+        statement = FIND_SERVICES_AND_OWN_CONNECTIONS
+        values = statement.values(params)
+        rows = await self._run(lambda c: c.fetch(statement.sql, *values))
         found: list[ServiceAndConnection | None] = [None] * len(calls)
         for row in rows:
-            position = row[0] - 1
+            position = row[SERVICE_CALL] - 1
             _, issuer, subject, provider = calls[position]
-            found[position] = service_and_connection((issuer, subject, provider), row[1:], row[8])
+            found[position] = READ_SERVICES.service_and_connection((issuer, subject, provider), row)
         return found
 
     async def close(self) -> bool:

@@ -1,8 +1,7 @@
 """What the direct store reads and writes, and the interface both drivers implement.
 
-The row helpers below name the single-call statements (SQLite's `FIND_CONNECTION`, …). PostgreSQL's
-batched statements (`FIND_CONNECTIONS`, …) answer the same columns; where they lead with the
-call's position, the caller strips it before handing the row over.
+Rows are read by column name (`RowReader`, from the compiled statement's own columns): a column
+added to a statement, or moved in it, cannot shift what a record reads.
 
 The records are plain slotted dataclasses, not frozen ones: a frozen dataclass's `__init__` sets
 each field through `object.__setattr__`, three times the cost, and every request builds several
@@ -11,10 +10,13 @@ of these. Nothing mutates them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol
+
+from app.direct.compiled import Compiled, Row
+from app.tables.connections import PREFIX
 
 
 class StoreUnavailable(ConnectionError):
@@ -55,69 +57,79 @@ class FlowRecord:
     expires_at: datetime
 
 
-def connection_record(
-    key: tuple[str, str, str, str], row: Sequence[Any], expires_at: datetime | None
-) -> ConnectionRecord:
-    """The record for (issuer, subject, provider, audience) from a row of the stores'
-    `FIND_CONNECTION` (id, status, sealed_credential, scopes, account_label, expires_at),
-    with `expires_at` as the driver's row gives it, converted."""
-    issuer, subject, provider, audience = key
-    return ConnectionRecord(
-        id=row[0],
-        issuer=issuer,
-        subject=subject,
-        provider=provider,
-        audience=audience,
-        status=row[1],
-        sealed_credential=row[2],
-        scopes=row[3],
-        account_label=row[4],
-        expires_at=expires_at,
-    )
+# The columns read, by name, in the order the readers below unpack them.
+CONNECTION_COLUMNS = tuple(
+    f"{PREFIX}{name}"
+    for name in ("id", "status", "sealed_credential", "scopes", "account_label", "expires_at")
+)
+FLOW_COLUMNS = tuple(field.name for field in fields(FlowRecord))
+SERVICE_COLUMNS = ("name", "providers")
+
+# A stored time as the driver gives it (SQLite: text), made an aware datetime.
+ReadTime = Callable[[Any], datetime]
 
 
-def service_and_connection(
-    user: tuple[str, str, str], row: Sequence[Any], expires_at: datetime | None
-) -> tuple[ServiceRecord, ConnectionRecord | None]:
-    """The records from a row of the stores' `FIND_SERVICE_AND_OWN_CONNECTION` for (issuer,
-    subject, provider): the service's name and providers, then `FIND_CONNECTION`'s columns (all
-    NULL when the service made no such connection), with `expires_at` converted."""
-    service = ServiceRecord(name=row[0], providers=row[1])
-    if row[2] is None:
-        return service, None
-    return service, connection_record((*user, service.name), row[2:], expires_at)
+def _reader(compiled: Compiled, names: tuple[str, ...]) -> Callable[[Row], tuple[Any, ...]] | None:
+    """Reads `names` from the statement's rows; None if it returns none of them (KeyError if it
+    returns some only)."""
+    if names[0] not in compiled.columns:
+        return None
+    return compiled.reader(names)
 
 
-def flow_record(row: Sequence[Any], expires_at: datetime) -> FlowRecord:
-    """The flow's record from the first twelve columns of a `GET_FLOW_AND_CONNECTION` row (the
-    fields in order, `expires_at` last), with `expires_at` converted."""
-    return FlowRecord(
-        id=row[0],
-        issuer=row[1],
-        subject=row[2],
-        client_id=row[3],
-        client_name=row[4],
-        audience=row[5],
-        provider=row[6],
-        scopes=row[7],
-        status=row[8],
-        account_label=row[9],
-        failure=row[10],
-        expires_at=expires_at,
-    )
+class RowReader:
+    """Builds the records from the rows of one compiled statement, reading its columns by name.
 
+    Raises KeyError when built for a statement that lacks a column a record needs.
+    """
 
-def flow_and_connection(
-    row: Sequence[Any], expires_at: datetime, connection_expires_at: datetime | None
-) -> tuple[FlowRecord, ConnectionRecord | None]:
-    """The records from a row of the stores' `GET_FLOW_AND_CONNECTION`: `GET_FLOW`'s columns,
-    then `FIND_CONNECTION`'s for the flow's owner, provider and audience (all NULL when there is
-    no such connection), with both `expires_at` converted."""
-    flow = flow_record(row, expires_at)
-    if row[12] is None:
-        return flow, None
-    key = (flow.issuer, flow.subject, flow.provider, flow.audience)
-    return flow, connection_record(key, row[12:], connection_expires_at)
+    __slots__ = ("_connection", "_flow", "_service", "_time")
+
+    def __init__(self, compiled: Compiled, time: ReadTime) -> None:
+        self._time = time
+        self._connection = _reader(compiled, CONNECTION_COLUMNS)
+        self._flow = _reader(compiled, FLOW_COLUMNS)
+        self._service = _reader(compiled, SERVICE_COLUMNS)
+
+    def connection(self, key: tuple[str, str, str, str], row: Row) -> ConnectionRecord | None:
+        """The connection of (issuer, subject, provider, audience) in `row`, if any."""
+        assert self._connection is not None
+        id_, status, sealed_credential, scopes, account_label, expires_at = self._connection(row)
+        if id_ is None:
+            return None
+        issuer, subject, provider, audience = key
+        return ConnectionRecord(
+            id=id_,
+            issuer=issuer,
+            subject=subject,
+            provider=provider,
+            audience=audience,
+            status=status,
+            sealed_credential=sealed_credential,
+            scopes=scopes,
+            account_label=account_label,
+            expires_at=self._time(expires_at) if expires_at is not None else None,
+        )
+
+    def flow_and_connection(self, row: Row) -> tuple[FlowRecord, ConnectionRecord | None]:
+        """The flow, and its owner's connection for its provider and audience, if any."""
+        assert self._flow is not None
+        flow = FlowRecord(*self._flow(row))  # FLOW_COLUMNS are its fields, in order
+        flow.expires_at = self._time(flow.expires_at)  # as the driver gave it, until here
+        key = (flow.issuer, flow.subject, flow.provider, flow.audience)
+        return flow, self.connection(key, row)
+
+    def service(self, row: Row) -> ServiceRecord:
+        assert self._service is not None
+        name, providers = self._service(row)
+        return ServiceRecord(name=name, providers=providers)
+
+    def service_and_connection(
+        self, user: tuple[str, str, str], row: Row
+    ) -> tuple[ServiceRecord, ConnectionRecord | None]:
+        """The service, and the connection it made for (issuer, subject, provider), if any."""
+        service = self.service(row)
+        return service, self.connection((*user, service.name), row)
 
 
 @dataclass(slots=True)
@@ -136,6 +148,25 @@ class NewFlow:
     args_digest: str
     created_at: datetime
     expires_at: datetime
+
+
+def insert_values(flow: NewFlow, max_open: int, time: Callable[[datetime], Any]) -> dict[str, Any]:
+    """The parameters of the tables' flow insert for `flow`, times as `time` makes them."""
+    return {
+        "id": flow.id,
+        "issuer": flow.issuer,
+        "subject": flow.subject,
+        "client_id": flow.client_id,
+        "client_name": flow.client_name,
+        "audience": flow.audience,
+        "provider": flow.provider,
+        "scopes": flow.scopes,
+        "tool_name": flow.tool_name,
+        "args_digest": flow.args_digest,
+        "created_at": time(flow.created_at),
+        "expires_at": time(flow.expires_at),
+        "max_open": max_open,
+    }
 
 
 @dataclass(slots=True)

@@ -46,19 +46,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from app.db import STATEMENT_WAIT_SECONDS, WAL_LIMIT_BYTES
+from sqlalchemy.dialects import sqlite
+
+from app.db import STATEMENT_WAIT_SECONDS, WAL_LIMIT_BYTES, set_sqlite_options
 from app.direct.batching import LoopBatcher
+from app.direct.compiled import Compiled
 from app.direct.records import (
     ConnectionRecord,
     FlowRecord,
     NewFlow,
+    RowReader,
     ServiceRecord,
     StoreUnavailable,
-    connection_record,
-    flow_and_connection,
-    service_and_connection,
+    insert_values,
 )
 from app.sqlite_gate import WriteTurnTimeout, gate_for
+from app.tables import connections, flows, services
 
 T = TypeVar("T")
 
@@ -71,45 +74,13 @@ BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _DATABASE_FILES: dict[str, int] = {}
 _DATABASE_FILES_LOCK = threading.Lock()
 
-FIND_CONNECTION = """
-SELECT id, status, sealed_credential, scopes, account_label, expires_at
-FROM connections WHERE issuer = ? AND subject = ? AND provider = ? AND audience = ?
-"""
-INSERT_FLOW = """
-INSERT INTO flows (id, issuer, subject, client_id, client_name, audience, provider, scopes,
-                   tool_name, args_digest, status, created_at, updated_at, expires_at)
-SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'pending', ?11, ?11, ?12
-WHERE (SELECT count(*) FROM (
-         SELECT 1 FROM flows
-         WHERE issuer = ?2 AND subject = ?3
-           AND status IN ('pending', 'authorizing', 'exchanging')  -- OPEN_FLOW_STATUSES
-           AND expires_at > ?11
-         LIMIT ?13)) < ?13
-"""
-GET_FLOW_AND_CONNECTION = """
-SELECT f.id, f.issuer, f.subject, f.client_id, f.client_name, f.audience, f.provider, f.scopes,
-       f.status, f.account_label, f.failure, f.expires_at,
-       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
-FROM flows AS f
-LEFT JOIN connections AS c
-  ON c.issuer = f.issuer AND c.subject = f.subject AND c.provider = f.provider
- AND c.audience = f.audience
-WHERE f.id = ?
-"""
-FIND_SERVICE = """
-SELECT name, providers FROM service_clients
-WHERE secret_digest IN ({digests}) AND revoked_at IS NULL
-LIMIT 1
-"""
-FIND_SERVICE_AND_OWN_CONNECTION = """
-SELECT s.name, s.providers,
-       c.id, c.status, c.sealed_credential, c.scopes, c.account_label, c.expires_at
-FROM service_clients AS s
-LEFT JOIN connections AS c
-  ON c.issuer = ? AND c.subject = ? AND c.provider = ? AND c.audience = s.name
-WHERE s.secret_digest IN ({digests}) AND s.revoked_at IS NULL
-LIMIT 1
-"""
+# The tables' statements (app/tables/), compiled for sqlite3: one call each (a loop turn's calls
+# share a transaction instead). qmark parameters, bound by position: binding by name looks each
+# name up again on every execution.
+DIALECT = sqlite.dialect()
+FIND_CONNECTION = Compiled(connections.find_one(), DIALECT)
+INSERT_FLOW = Compiled(flows.insert_one(), DIALECT)
+GET_FLOW_AND_CONNECTION = Compiled(flows.read_one(), DIALECT)
 
 
 def stored_time(value: datetime) -> str:
@@ -120,11 +91,21 @@ def read_time(value: str) -> datetime:
     return datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
+READ_CONNECTION = RowReader(FIND_CONNECTION, read_time)
+READ_FLOW = RowReader(GET_FLOW_AND_CONNECTION, read_time)
+
+
 @functools.cache
-def _with_digests(statement: str, count: int) -> str:
-    """`statement` with its `{digests}` list made of `count` placeholders (one per signing key:
-    a handful of texts, made once)."""
-    return statement.format(digests=", ".join("?" * count))
+def find_service(digests: int) -> tuple[Compiled, RowReader]:
+    """The service lookup for `digests` digests (one per signing key: a handful, made once)."""
+    compiled = Compiled(services.find_one(), DIALECT, expand={"digests": digests})
+    return compiled, RowReader(compiled, read_time)
+
+
+@functools.cache
+def find_service_and_connection(digests: int) -> tuple[Compiled, RowReader]:
+    compiled = Compiled(services.find_with_connection_one(), DIALECT, expand={"digests": digests})
+    return compiled, RowReader(compiled, read_time)
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
@@ -194,11 +175,9 @@ class SqliteStore:
         connection = sqlite3.connect(
             self._path, isolation_level=None, check_same_thread=False, cached_statements=32
         )
-        connection.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
-        connection.execute("PRAGMA synchronous = NORMAL")
-        connection.execute("PRAGMA foreign_keys = ON")
-        connection.execute("PRAGMA cache_size = -32000")
-        connection.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")
+        set_sqlite_options(
+            connection, busy_timeout_ms=busy_timeout_ms, wal_limit_bytes=WAL_LIMIT_BYTES
+        )
         if busy_timeout_ms == 0:  # the loop's connection: checkpoints belong to the worker
             connection.execute("PRAGMA wal_autocheckpoint = 0")
         return connection
@@ -315,56 +294,36 @@ class SqliteStore:
     async def find_connection(
         self, issuer: str, subject: str, provider: str, audience: str
     ) -> ConnectionRecord | None:
-        row = await self._read(FIND_CONNECTION, (issuer, subject, provider, audience))
-        if row is None:
-            return None
-        expires_at = read_time(row[5]) if row[5] is not None else None
-        return connection_record((issuer, subject, provider, audience), row, expires_at)
+        key = (issuer, subject, provider, audience)
+        params = {"issuer": issuer, "subject": subject, "provider": provider, "audience": audience}
+        row = await self._read(FIND_CONNECTION.sql, FIND_CONNECTION.values(params))
+        return READ_CONNECTION.connection(key, row) if row is not None else None
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
-        # Numbered parameters (INSERT_FLOW's ?1 … ?13), bound by position: binding by name
-        # looks each name up again on every execution.
-        values = (
-            flow.id,
-            flow.issuer,
-            flow.subject,
-            flow.client_id,
-            flow.client_name,
-            flow.audience,
-            flow.provider,
-            flow.scopes,
-            flow.tool_name,
-            flow.args_digest,
-            stored_time(flow.created_at),
-            stored_time(flow.expires_at),
-            max_open,
-        )
-        return await self._write(INSERT_FLOW, values) == 1
+        values = INSERT_FLOW.values(insert_values(flow, max_open, stored_time))
+        return await self._write(INSERT_FLOW.sql, values) == 1
 
     async def get_flow_and_connection(
         self, flow_id: str
     ) -> tuple[FlowRecord, ConnectionRecord | None] | None:
-        row = await self._read(GET_FLOW_AND_CONNECTION, (flow_id,))
-        if row is None:
-            return None
-        connection_expires_at = read_time(row[17]) if row[17] is not None else None
-        return flow_and_connection(row, read_time(row[11]), connection_expires_at)
+        statement = GET_FLOW_AND_CONNECTION
+        row = await self._read(statement.sql, statement.values({"id": flow_id}))
+        return READ_FLOW.flow_and_connection(row) if row is not None else None
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
-        statement = _with_digests(FIND_SERVICE, len(digests))
-        row = await self._read(statement, tuple(digests))
-        return ServiceRecord(name=row[0], providers=row[1]) if row is not None else None
+        statement, read = find_service(len(digests))
+        row = await self._read(statement.sql, statement.values({"digests": digests}))
+        return read.service(row) if row is not None else None
 
     async def find_service_and_own_connection(
         self, digests: list[str], issuer: str, subject: str, provider: str
     ) -> tuple[ServiceRecord, ConnectionRecord | None] | None:
-        statement = _with_digests(FIND_SERVICE_AND_OWN_CONNECTION, len(digests))
-        values = (issuer, subject, provider, *digests)
-        row = await self._read(statement, values)
+        statement, read = find_service_and_connection(len(digests))
+        params = {"digests": digests, "issuer": issuer, "subject": subject, "provider": provider}
+        row = await self._read(statement.sql, statement.values(params))
         if row is None:
             return None
-        expires_at = read_time(row[7]) if row[7] is not None else None
-        return service_and_connection((issuer, subject, provider), row, expires_at)
+        return read.service_and_connection((issuer, subject, provider), row)
 
     async def close(self) -> bool:
         if self._checkpoint is not None:

@@ -1,7 +1,8 @@
 """Registered sibling MCP servers ("services") and their bearer secrets.
 
 A secret is shown once at creation; the table keeps only its keyed digest (HMAC-SHA256 under a
-subkey of the signing keys), which makes the per-request lookup one indexed equality query. After
+subkey of the signing keys), which makes the per-request lookup one indexed equality query. The
+statements on `service_clients` are app/tables/services.py's. After
 a signing-key rotation, digests under every configured key are tried, so secrets keep working.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.principal import Principal
@@ -18,6 +18,7 @@ from app.clock import utcnow
 from app.crypto import Keyring, hmac_digest
 from app.direct import ConnectionRecord, DirectStore, ServiceRecord
 from app.models import ServiceClient
+from app.tables import services as services_table
 
 SECRET_PREFIX = "cbs_"  # noqa: S105 (a marker that makes leaked secrets greppable)
 
@@ -40,15 +41,8 @@ async def create(
 ) -> str:
     """Register a service and return its secret (shown once, never stored)."""
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-    session.add(
-        ServiceClient(
-            name=name,
-            secret_digest=_digests(keys, secret)[0],
-            providers=" ".join(providers),
-            created_at=utcnow(),
-        )
-    )
-    await session.flush()
+    digest = _digests(keys, secret)[0]
+    await session.execute(services_table.add(name, digest, " ".join(providers), utcnow()))
     return secret
 
 
@@ -86,16 +80,9 @@ async def authenticate_with_own_connection(
 
 
 async def list_all(session: AsyncSession) -> list[ServiceClient]:
-    return list(
-        (await session.execute(select(ServiceClient).order_by(ServiceClient.name))).scalars()
-    )
+    return list((await session.execute(services_table.by_name())).scalars())
 
 
 async def revoke(session: AsyncSession, *, name: str) -> bool:
-    result = await session.execute(
-        update(ServiceClient)
-        .where(ServiceClient.name == name, ServiceClient.revoked_at.is_(None))
-        .values(revoked_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
+    result = await session.execute(services_table.revoke(name, utcnow()))
     return bool(getattr(result, "rowcount", 0))
