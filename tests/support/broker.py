@@ -33,7 +33,7 @@ PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 START_TIMEOUT = 30.0
 
 
-def _run_sync(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def run_sync(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run a coroutine to completion, also from code that is itself inside an event loop."""
     try:
         asyncio.get_running_loop()
@@ -67,7 +67,7 @@ def fresh_database(workdir: Path, name: str, *, kind: str | None = None) -> str:
         finally:
             await connection.close()
 
-    _run_sync(create)
+    run_sync(create)
     return f"postgresql://postgres@127.0.0.1:5432/{db_name}"
 
 
@@ -87,7 +87,7 @@ def drop_database(url: str) -> None:
         finally:
             await connection.close()
 
-    _run_sync(drop)
+    run_sync(drop)
 
 
 # The suite's brokers serve many users, and many wrong tokens, all from 127.0.0.1: budgets high
