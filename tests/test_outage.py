@@ -39,6 +39,8 @@ from .support.load import BackgroundLoad
 from .support.outage import DatabaseOutage
 from .support.stack import Stack, running_stack
 
+pytestmark = [pytest.mark.both_databases, pytest.mark.slow]
+
 # SECURITY.md R5: during an outage, answers within 5 s. The broker stops waiting for a statement
 # or for SQLite's lock after 4 s (app/db.py); PostgreSQL refusing connections answers at once.
 ANSWER_BOUND_SECONDS = 5.0

@@ -34,9 +34,12 @@ from .support.idp import IdpProcess, free_port, mint_token
 from .support.relay import TcpRelay
 from .support.stack import running_stack
 
-pytestmark = pytest.mark.skipif(
-    database_kind() != "postgresql", reason="replicas share PostgreSQL; SQLite is one process"
-)
+pytestmark = [
+    pytest.mark.both_databases,
+    pytest.mark.skipif(
+        database_kind() != "postgresql", reason="replicas share PostgreSQL; SQLite is one process"
+    ),
+]
 
 RETRY_WAIT_SECONDS = 15.0
 # The waiter also reads the flow again every 2 s in case a notification was lost: the retry is

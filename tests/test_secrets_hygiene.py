@@ -18,6 +18,8 @@ from .support.idp import IdpProcess, mint_token
 from .support.outage import behind_proxy
 from .support.relay import TcpRelay
 
+pytestmark = pytest.mark.both_databases
+
 LEAK_MARKERS = (
     "Traceback",
     "postgresql://",

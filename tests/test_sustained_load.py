@@ -26,6 +26,8 @@ from .support.broker import PG_ADMIN, database_kind
 from .support.clients import Browser, McpHttp
 from .support.stack import Stack, running_stack
 
+pytestmark = [pytest.mark.both_databases, pytest.mark.slow]
+
 USERS = 50
 CONNECTIONS = 32
 WARM_UP_SECONDS = 5

@@ -35,6 +35,8 @@ from . import (
     unique,
 )
 
+pytestmark = pytest.mark.both_databases
+
 KEY = "sk_CANARYKEY_form_0001"
 GOOD_KEY = "pk_CANARYKEY_good_0001"
 BAD_KEY = "pk_CANARYKEY_refused_0001"

@@ -36,6 +36,8 @@ from ..support.schema import validate_response
 from ..support.stack import Stack, running_stack
 from . import connections_of, flow_snapshot, local
 
+pytestmark = pytest.mark.both_databases
+
 RUN = secrets.token_hex(3)
 SPOOF = f"spoof-{RUN}"  # `sub`; its preferred_username claims to be "alice"
 BIDI_USER = f"bidi-{RUN}"  # a preferred_username that reverses the text after it

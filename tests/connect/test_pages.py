@@ -45,6 +45,8 @@ from . import (
     unique,
 )
 
+pytestmark = pytest.mark.both_databases
+
 KEY = "sk_CANARYKEY_pages_0001"
 _DEMO = {"demo": DEMO_PROVIDER}
 

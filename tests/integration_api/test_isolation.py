@@ -84,6 +84,8 @@ from .test_api import (
     submit_api_key,
 )
 
+pytestmark = pytest.mark.both_databases
+
 MCP_KEY = "sk_CANARYKEY_isolation_mcp_1"
 DEMO = {"provider": "demo"}
 

@@ -51,6 +51,8 @@ from ..support.schema import validate_response
 from ..support.stack import Stack, running_stack
 from .test_retry import API_KEY, retry, round_one, tool_result
 
+pytestmark = pytest.mark.both_databases
+
 CLAIM_SECONDS = 10.0  # callback delivered to the flow seen `exchanging`; takes milliseconds
 COMMIT_SECONDS = 10.0  # callback delivered to the exchange committed; takes milliseconds
 

@@ -44,6 +44,8 @@ from ..support.idp import (
 from ..support.schema import validate_response
 from ..support.stack import Stack, running_stack, stack_fixture
 
+pytestmark = pytest.mark.both_databases
+
 API_KEY = "sk_CANARYKEY_retry_tests_1"
 ARGUMENTS = {"provider": "demo"}
 FLOW_TTL_SECONDS = 600  # the broker default; requestState lives as long as its flow

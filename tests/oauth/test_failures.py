@@ -41,6 +41,8 @@ from .flows import (
 )
 from .helpers import unique as fresh_user
 
+pytestmark = pytest.mark.both_databases
+
 DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds
 SLACK_SECONDS = 3.0  # process and network overhead allowed on top of a deadline
 TRY_AGAIN = "GitHub had a problem completing the connection. Nothing was stored; try again."
