@@ -11,8 +11,6 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import cast
 
-import pytest
-
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.notify import FlowNotifier
@@ -21,8 +19,6 @@ from app.connect.wait import wait_for_flow
 from app.direct.records import ConnectionRecord, FlowRecord
 from app.models import FlowStatus
 from app.runtime import Runtime
-
-pytestmark = pytest.mark.both_databases
 
 ALICE = Principal("https://idp.example", "alice")
 OPEN = FlowRecord(
