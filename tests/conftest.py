@@ -6,6 +6,7 @@ Run the suite once per database: `BROKER_TEST_DB=sqlite` (default) or `BROKER_TE
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
 
+from .support import canary
 from .support.broker import BrokerConfig, BrokerProcess, running_broker
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
 from .support.fake_slack import FakeSlack, running_fake_slack
 from .support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
+from .support.stack import broker_idp_config
 
+SWEEP_SINCE = pytest.StashKey[float]()
+SWEEP_PROBLEMS = pytest.StashKey[list[str] | None]()
 ARTIFACTS = Path(os.environ.get("BROKER_TEST_ARTIFACTS", "test-artifacts")).resolve()
 
 DEMO_PROVIDER: dict[str, Any] = {
@@ -34,7 +39,9 @@ DEMO_PROVIDER: dict[str, Any] = {
 
 @pytest.fixture(scope="session")
 def workdir() -> Path:
+    """This run's files: one directory per database, and per pytest-xdist worker (`gw0`, …)."""
     path = ARTIFACTS / os.environ.get("BROKER_TEST_DB", "sqlite")
+    path /= os.environ.get("PYTEST_XDIST_WORKER", "main")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -47,17 +54,7 @@ def broker_port() -> int:
 @pytest.fixture(scope="session")
 def idp(workdir: Path, broker_port: int) -> Iterator[IdpProcess]:
     """The MCP identity provider; knows the main broker's login client and /mcp resource."""
-    config = IdpConfig(
-        resources=[f"http://127.0.0.1:{broker_port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{broker_port}/login/callback"],
-                client_secret="broker-login-secret",
-            ),
-            client_metadata("mcp-client", ["http://127.0.0.1:9/callback"]),
-        ],
-    )
+    config = broker_idp_config(f"http://127.0.0.1:{broker_port}")
     with running_idp(config, workdir) as process:
         yield process
 
@@ -156,6 +153,7 @@ def broker_config(
 def broker(broker_config: BrokerConfig, workdir: Path) -> Iterator[BrokerProcess]:
     with running_broker(broker_config, workdir) as process:
         yield process
+        canary.write_dump(process.database_url, workdir / canary.DUMP_NAME)
 
 
 @pytest.fixture
@@ -220,6 +218,28 @@ async def count_rows(db: AsyncEngine, table: str, **where: Any) -> int:
     return int(value or 0)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The canary sweep (I1) must see the logs of every other test: run it last."""
-    items.sort(key=lambda item: item.name.startswith("test_i1_canary_sweep"))
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[SWEEP_SINCE] = time.time()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """I1: once every test ran (on every pytest-xdist worker), sweep logs and database dumps for
+    canaries; a leak fails the run. The workers leave the sweep to the process that started them."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    problems = canary.sweep(ARTIFACTS, session.config.stash[SWEEP_SINCE])
+    session.config.stash[SWEEP_PROBLEMS] = problems
+    if problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    problems = terminalreporter.config.stash.get(SWEEP_PROBLEMS, None)
+    if problems is None:
+        return
+    if problems:
+        terminalreporter.section("I1 canary sweep: FAILED", red=True)
+        for problem in problems:
+            terminalreporter.line(problem)
+    else:
+        terminalreporter.line("I1 canary sweep: no canary in any log or the database")

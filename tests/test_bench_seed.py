@@ -22,6 +22,8 @@ from bench.seed import FLOWS_PER_USER, seed
 
 from .support.broker import drop_database, fresh_database
 
+pytestmark = pytest.mark.both_databases
+
 ISSUER = "https://idp.example"
 
 

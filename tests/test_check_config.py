@@ -11,6 +11,8 @@ import pytest
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.idp import IdpProcess, free_port
 
+pytestmark = pytest.mark.both_databases
+
 
 @pytest.fixture
 def database(tmp_path: Path) -> Iterator[str]:

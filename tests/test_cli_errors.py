@@ -22,6 +22,8 @@ from app.migrate import alembic_config
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.idp import free_port
 
+pytestmark = pytest.mark.both_databases
+
 ROOT = Path(__file__).resolve().parents[1]  # this checkout's `app`, whatever the working directory
 
 

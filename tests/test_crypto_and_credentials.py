@@ -33,6 +33,8 @@ from app.models import Connection, PendingRevocation
 
 from .support.broker import drop_database, fresh_database
 
+pytestmark = pytest.mark.both_databases
+
 ALICE = Principal("https://idp.example", "alice")
 BOB = Principal("https://idp.example", "bob")
 

@@ -23,6 +23,8 @@ from app.migrate import upgrade
 
 from .support.broker import database_kind, drop_database, fresh_database
 
+pytestmark = pytest.mark.both_databases
+
 BOUND_SECONDS = 0.5
 BLOCKED_SECONDS = 1.5  # how long the statement or the lock holds: three times the bound
 

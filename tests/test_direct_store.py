@@ -45,6 +45,8 @@ from app.models import Flow, FlowStatus
 
 from .support.broker import database_kind, drop_database, fresh_database
 
+pytestmark = pytest.mark.both_databases
+
 ISSUER = "https://idp.example"
 KEYS = Keyring.parse((generate_key("k1"),))
 

@@ -21,6 +21,8 @@ from .support.broker import BrokerProcess, LogWindow
 from .support.clients import request_body, request_headers
 from .support.raw_http import exchange, request_head
 
+pytestmark = pytest.mark.both_databases
+
 SURROGATE = "\\ud800"  # as it appears in the JSON text
 LOW_SURROGATE = "\\udfff"
 NUL = "\\u0000"

@@ -19,10 +19,11 @@ from app.metrics import BrokerMetrics, RevocationBacklog
 from app.models import BROKER_AUDIENCE, PendingRevocation
 
 from .conftest import DEMO_PROVIDER
-from .connect import Stack, dedicated_stack, open_flow, submit_key, unique
+from .connect import open_flow, submit_key, unique
 from .support.broker import BrokerProcess
 from .support.clients import CLIENT_LIMITS, Browser, McpHttp, request_body
 from .support.schema import validate_response
+from .support.stack import Stack, running_stack
 
 SCRAPE_TOKEN = secrets.token_hex(32)
 KEY = "sk_CANARYKEY_metrics_0001"
@@ -32,7 +33,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def stack(workdir: Path) -> Iterator[Stack]:
-    with dedicated_stack(
+    with running_stack(
         workdir,
         "metrics",
         providers={"demo": DEMO_PROVIDER},

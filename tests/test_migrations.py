@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -16,6 +17,8 @@ from app.migrate import alembic_config, is_current, upgrade
 from app.models import Base
 
 from .support.broker import drop_database, fresh_database
+
+pytestmark = pytest.mark.both_databases
 
 
 def _schema_diff(url: str) -> list[Any]:

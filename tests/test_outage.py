@@ -30,7 +30,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from .conftest import count_rows, flow_row, github_provider
-from .connect import Stack, dedicated_stack
 from .mcp.test_retry import tool_result
 from .oauth.helpers import approve_at_provider, arm, deliver, retry_connect, unique
 from .support.broker import BrokerProcess, database_kind
@@ -38,6 +37,9 @@ from .support.clients import Browser, McpHttp, flow_id_from
 from .support.fake_github import FakeGitHub
 from .support.load import BackgroundLoad
 from .support.outage import DatabaseOutage
+from .support.stack import Stack, running_stack
+
+pytestmark = [pytest.mark.both_databases, pytest.mark.slow]
 
 # SECURITY.md R5: during an outage, answers within 5 s. The broker stops waiting for a statement
 # or for SQLite's lock after 4 s (app/db.py); PostgreSQL refusing connections answers at once.
@@ -69,7 +71,7 @@ async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     """A broker of its own whose database can be taken away, with a GitHub of its own."""
     with (
         FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake,
-        dedicated_stack(
+        running_stack(
             workdir,
             "callback-outage",
             providers={"github": github_provider(fake)},

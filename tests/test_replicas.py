@@ -24,20 +24,22 @@ from .conftest import DEMO_PROVIDER, github_provider
 from .mcp.test_retry import API_KEY, retry, round_one, tool_result
 from .oauth.helpers import approve_at_provider, arm, deliver, retry_connect, unique
 from .support.broker import (
-    BrokerConfig,
     BrokerProcess,
     database_kind,
-    running_broker,
     serve_replica,
 )
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
-from .support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
+from .support.idp import IdpProcess, free_port, mint_token
 from .support.relay import TcpRelay
+from .support.stack import running_stack
 
-pytestmark = pytest.mark.skipif(
-    database_kind() != "postgresql", reason="replicas share PostgreSQL; SQLite is one process"
-)
+pytestmark = [
+    pytest.mark.both_databases,
+    pytest.mark.skipif(
+        database_kind() != "postgresql", reason="replicas share PostgreSQL; SQLite is one process"
+    ),
+]
 
 RETRY_WAIT_SECONDS = 15.0
 # The waiter also reads the flow again every 2 s in case a notification was lost: the retry is
@@ -71,33 +73,25 @@ class Replicas:
 @pytest.fixture
 async def replicas(workdir: Path) -> AsyncIterator[Replicas]:
     url = f"http://127.0.0.1:{free_port()}"
-    idp_config = IdpConfig(
-        resources=[f"{url}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login", [f"{url}/login/callback"], client_secret="broker-login-secret"
-            )
-        ],
-    )
     with (
-        running_idp(idp_config, workdir) as idp,
         FakeGitHub(redirect_uri=f"{url}/oauth/github/callback") as fake,
-    ):
-        config = BrokerConfig(
-            issuer=idp.issuer,
+        running_stack(
+            workdir,
+            "replica-a",
+            public_url=url,
             retry_wait_seconds=RETRY_WAIT_SECONDS,
             providers={"demo": DEMO_PROVIDER, "github": github_provider(fake)},
-            extra={"server": {"public_url": url}},
-        )
-        with running_broker(config, workdir, name="replica-a") as first:
-            second = serve_replica(first, name="replica-b")
-            relay = TcpRelay(first.config.port, second.config.port, port=int(url.rsplit(":", 1)[1]))
-            await relay.start()
-            try:
-                yield Replicas(idp, relay, (first, second), fake)
-            finally:
-                await relay.cut()
-                second.stop()
+        ) as stack,
+    ):
+        first = stack.broker
+        second = serve_replica(first, name="replica-b")
+        relay = TcpRelay(first.config.port, second.config.port, port=int(url.rsplit(":", 1)[1]))
+        await relay.start()
+        try:
+            yield Replicas(stack.idp, relay, (first, second), fake)
+        finally:
+            await relay.cut()
+            second.stop()
 
 
 def one_request_per_connection() -> httpx2.AsyncClient:

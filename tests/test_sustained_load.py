@@ -20,10 +20,13 @@ from bench.pool import call_body, write_pool
 from bench.wrk import WrkResult, run_wrk
 
 from .conftest import DEMO_PROVIDER
-from .connect import Stack, dedicated_stack, open_flow, submit_key, unique
+from .connect import open_flow, submit_key, unique
 from .mcp.test_retry import API_KEY, tool_result
 from .support.broker import PG_ADMIN, database_kind
 from .support.clients import Browser, McpHttp
+from .support.stack import Stack, running_stack
+
+pytestmark = [pytest.mark.both_databases, pytest.mark.slow]
 
 USERS = 50
 CONNECTIONS = 32
@@ -35,7 +38,7 @@ POOL_SIZE = 10
 
 @pytest.fixture(scope="module")
 def stack(workdir: Path) -> Iterator[Stack]:
-    with dedicated_stack(
+    with running_stack(
         workdir,
         "sustained",
         providers={"demo": DEMO_PROVIDER},

@@ -27,6 +27,8 @@ from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser
 from ..support.idp import IdpProcess, discover, idp_login
 
+pytestmark = pytest.mark.both_databases
+
 SESSION = "__Host-broker_session"
 PRE_LOGIN = "__Host-broker_login"
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "openredirects.txt"

@@ -9,23 +9,19 @@ from pathlib import Path
 import pytest
 
 from ..connect import local
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
+from ..support.broker import BrokerProcess
 from ..support.clients import Browser
-from ..support.idp import IdpConfig, client_metadata, free_port, idp_login, running_idp
+from ..support.idp import idp_login
+from ..support.stack import running_stack
 
 WRONG_SECRET = "wrong-login-secret-9f2c"
 
 
 @pytest.fixture(scope="module")
 def misconfigured_broker(workdir: Path) -> Iterator[BrokerProcess]:
-    port = free_port()
-    login_client = client_metadata(
-        "broker-login", [f"http://127.0.0.1:{port}/login/callback"], client_secret="right-secret"
-    )
-    with running_idp(IdpConfig(clients=[login_client]), workdir) as idp:
-        config = BrokerConfig(issuer=idp.issuer, port=port, login_client_secret=WRONG_SECRET)
-        with running_broker(config, workdir, name="wrong-secret") as broker:
-            yield broker
+    idp = {"login_secret": "right-secret"}
+    with running_stack(workdir, "wrong-secret", idp=idp, login_client_secret=WRONG_SECRET) as stack:
+        yield stack.broker
 
 
 async def test_a_refused_login_client_is_logged_with_the_idps_reason(

@@ -1,19 +1,14 @@
 """Helpers shared by the connect-page and API-key-form tests.
 
 `open_flow` starts a connect flow the way a client does (round 1 of `tools/call connect_account`);
-`dedicated_stack` runs an IdP and a broker of their own for tests that need special
-configuration (pairwise subjects, a short login age, a provider with a validation probe).
+a test that needs a specially configured broker runs its own with tests/support/stack.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from html.parser import HTMLParser
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,16 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.clock import utcnow
 from app.models import Connection, Flow
 
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
 from ..support.clients import Browser, McpHttp, flow_id_from
-from ..support.idp import (
-    IdpConfig,
-    IdpProcess,
-    client_metadata,
-    free_port,
-    mint_token,
-    running_idp,
-)
 from ..support.schema import validate_response
 
 
@@ -124,45 +110,3 @@ async def connections_of(db: AsyncEngine, *subjects: str) -> list[dict[str, Any]
             .all()
         )
     return [dict(row) for row in rows]
-
-
-@dataclass
-class Stack:
-    idp: IdpProcess
-    broker: BrokerProcess
-
-    def token(self, user: str) -> str:
-        """An access token for this broker, signed with this IdP's key."""
-        return mint_token(
-            self.idp.signing_jwk, issuer=self.idp.issuer, audience=self.broker.mcp_url, subject=user
-        )
-
-
-@contextlib.contextmanager
-def dedicated_stack(
-    workdir: Path,
-    name: str,
-    *,
-    pairwise_access_sub: bool = False,
-    extra_claims: dict[str, dict[str, Any]] | None = None,
-    **broker_options: Any,
-) -> Iterator[Stack]:
-    """A fresh IdP that knows only this broker (login client, /mcp resource), and the broker."""
-    port = free_port()
-    idp_config = IdpConfig(
-        resources=[f"http://127.0.0.1:{port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{port}/login/callback"],
-                client_secret="broker-login-secret",
-            ),
-            client_metadata("mcp-client", ["http://127.0.0.1:9/callback"]),
-        ],
-        pairwise_access_sub=pairwise_access_sub,
-        extra_claims=extra_claims or {},
-    )
-    with running_idp(idp_config, workdir) as idp:
-        config = BrokerConfig(issuer=idp.issuer, port=port, **broker_options)
-        with running_broker(config, workdir, name=name) as broker:
-            yield Stack(idp, broker)

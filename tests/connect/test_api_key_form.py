@@ -25,16 +25,17 @@ from app.db import create_engine
 
 from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
+from ..support.stack import Stack, running_stack
 from . import (
-    Stack,
     connections_of,
-    dedicated_stack,
     flow_snapshot,
     html_forms,
     open_flow,
     submit_key,
     unique,
 )
+
+pytestmark = pytest.mark.both_databases
 
 KEY = "sk_CANARYKEY_form_0001"
 GOOD_KEY = "pk_CANARYKEY_good_0001"
@@ -342,7 +343,7 @@ def probe_provider(provider: LocalHttp, timeout_seconds: float) -> dict[str, Any
 async def probe_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHttp]]:
     async with LocalHttp() as provider:
         probe = probe_provider(provider, timeout_seconds=1)
-        with dedicated_stack(workdir, "probe", providers={"probe": probe}) as stack:
+        with running_stack(workdir, "probe", providers={"probe": probe}) as stack:
             yield stack, provider
 
 
@@ -411,7 +412,7 @@ async def small_pool_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHtt
     """A broker with 2 database connections (pool_size 1 + 1 overflow) and a slow probe."""
     async with LocalHttp() as provider:
         probe = probe_provider(provider, timeout_seconds=8)
-        with dedicated_stack(
+        with running_stack(
             workdir, "small-pool", providers={"probe": probe}, extra={"database": {"pool_size": 1}}
         ) as stack:
             yield stack, provider

@@ -23,7 +23,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows
-from ..support.broker import BrokerConfig, BrokerProcess, running_broker
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
     IdpConfig,
@@ -31,11 +30,13 @@ from ..support.idp import (
     client_metadata,
     free_port,
     idp_login,
-    mint_token,
     running_idp,
 )
 from ..support.schema import validate_response
+from ..support.stack import Stack, running_stack
 from . import connections_of, flow_snapshot, local
+
+pytestmark = pytest.mark.both_databases
 
 RUN = secrets.token_hex(3)
 SPOOF = f"spoof-{RUN}"  # `sub`; its preferred_username claims to be "alice"
@@ -55,16 +56,9 @@ ACCOUNT_CLAIMS: dict[str, dict[str, Any]] = {
 PLAIN_NAME = "Plain\u2067 ID"  # a provider display name with a bidi isolate in it
 
 
-@dataclass
-class DisplayStack:
-    idp: IdpProcess
+@dataclass(frozen=True)
+class DisplayStack(Stack):
     provider: IdpProcess
-    broker: BrokerProcess
-
-    def token(self, user: str) -> str:
-        return mint_token(
-            self.idp.signing_jwk, issuer=self.idp.issuer, audience=self.broker.mcp_url, subject=user
-        )
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +75,6 @@ def stack(workdir: Path) -> Iterator[DisplayStack]:
         ],
         extra_claims=ACCOUNT_CLAIMS,
     )
-    login_config = IdpConfig(
-        resources=[f"http://127.0.0.1:{port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{port}/login/callback"],
-                client_secret="broker-login-secret",
-            )
-        ],
-        extra_claims=LOGIN_CLAIMS,
-    )
     plain = {
         "kind": "oidc",
         "display_name": PLAIN_NAME,
@@ -100,16 +83,16 @@ def stack(workdir: Path) -> Iterator[DisplayStack]:
         "client_auth_method": "client_secret_basic",
         "scopes": ["openid", "profile"],
     }
-    with (
-        running_idp(provider_config, workdir) as provider,
-        running_idp(login_config, workdir) as idp,
-    ):
+    with running_idp(provider_config, workdir) as provider:
         plain["issuer"] = provider.issuer
-        config = BrokerConfig(
-            issuer=idp.issuer, port=port, providers={"demo": DEMO_PROVIDER, "plain": plain}
-        )
-        with running_broker(config, workdir, name="display") as broker:
-            yield DisplayStack(idp, provider, broker)
+        with running_stack(
+            workdir,
+            "display",
+            port=port,
+            idp={"extra_claims": LOGIN_CLAIMS},
+            providers={"demo": DEMO_PROVIDER, "plain": plain},
+        ) as stack:
+            yield DisplayStack(stack.idp, stack.broker, provider)
 
 
 @pytest.fixture
@@ -324,6 +307,7 @@ async def test_L6_a_scope_argument_holding_a_separator_is_refused(
 @pytest.mark.parametrize(
     ("account", "label"),
     [(NAMED, "Named One"), (MAILED, "two@example.com"), (BARE, BARE)],
+    ids=["named", "mailed", "bare"],  # the same on every pytest-xdist worker
 )
 async def test_L7_generic_oidc_account_is_named_from_the_id_token(
     stack: DisplayStack, mcp: McpHttp, browser: Browser, account: str, label: str

@@ -32,9 +32,9 @@ from ..support.idp import (
     unverified_jwt,
 )
 from ..support.schema import validate_response
+from ..support.stack import running_stack
 from . import (
     connections_of,
-    dedicated_stack,
     expire_flow,
     flow_snapshot,
     html_forms,
@@ -44,6 +44,8 @@ from . import (
     submit_key,
     unique,
 )
+
+pytestmark = pytest.mark.both_databases
 
 KEY = "sk_CANARYKEY_pages_0001"
 _DEMO = {"demo": DEMO_PROVIDER}
@@ -317,9 +319,8 @@ async def test_d11_pairwise_subjects_are_a_mismatch_with_the_default_identity_cl
     (Entra-style pairwise) fails safe: refused, never matched some other way (e.g. by email)."""
     user = unique("dana-d11")
     extra = {user: {"oid": f"oid-{user}", "email": f"{user}@example.com"}}
-    with dedicated_stack(
-        workdir, "d11-sub", pairwise_access_sub=True, extra_claims=extra, providers=_DEMO
-    ) as stack:
+    pairwise = {"pairwise_access_sub": True, "extra_claims": extra}
+    with running_stack(workdir, "d11-sub", idp=pairwise, providers=_DEMO) as stack:
         token = await _real_access_token(stack.idp, stack.broker, user)
         mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)
         try:
@@ -344,13 +345,9 @@ async def test_d11_a_stable_identity_claim_matches_despite_pairwise_subjects(
     user = unique("dana-d11o")
     oid = f"oid-{user}"
     extra = {user: {"oid": oid}}
-    with dedicated_stack(
-        workdir,
-        "d11-oid",
-        pairwise_access_sub=True,
-        extra_claims=extra,
-        identity_claim="oid",
-        providers=_DEMO,
+    pairwise = {"pairwise_access_sub": True, "extra_claims": extra}
+    with running_stack(
+        workdir, "d11-oid", idp=pairwise, identity_claim="oid", providers=_DEMO
     ) as stack:
         token = await _real_access_token(stack.idp, stack.broker, user)
         mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)
@@ -378,7 +375,7 @@ async def test_d12_a_login_older_than_the_maximum_age_must_sign_in_again(
     """D12/T27. A browser login older than login_max_age_seconds no longer counts, and the new
     login asks the IdP for a fresh authentication (max_age), so SSO cannot launder it."""
     user = unique("alice-d12")
-    with dedicated_stack(
+    with running_stack(
         workdir, "d12", providers=_DEMO, extra={"server": {"login_max_age_seconds": 60}}
     ) as stack:
         mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)

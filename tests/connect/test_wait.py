@@ -32,7 +32,7 @@ OPEN = FlowRecord(
     status=FlowStatus.pending,
     account_label=None,
     failure=None,
-    expires_at=utcnow() + timedelta(minutes=10),
+    expires_at=utcnow() + timedelta(days=1),  # set at import: valid however late the test runs
 )
 DONE = dataclasses.replace(OPEN, status=FlowStatus.completed, account_label="demo key")
 SLOW_POLL = 5.0  # seconds: a wait that relied on polling would show in the elapsed time

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -37,17 +36,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import count_rows, flow_row, github_provider
-from ..support.broker import BrokerConfig, BrokerProcess, cli, running_broker
+from ..support.broker import BrokerProcess, cli
 from ..support.fake_github import FakeGitHub
 from ..support.idp import (
-    IdpConfig,
     IdpProcess,
-    client_metadata,
     free_port,
     obtain_access_token,
-    running_idp,
 )
 from ..support.schema import validate
+from ..support.stack import running_stack
 from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
 from .elicitations import Action, UrlElicitations
@@ -153,37 +150,27 @@ def deployment(workdir: Path) -> Iterator[Deployment]:
     at its own fake GitHub, and two siblings registered as separate services."""
     broker_port, bot_port, other_port = free_port(), free_port(), free_port()
     broker_url = f"http://127.0.0.1:{broker_port}"
-    resources = [f"http://127.0.0.1:{port}/mcp" for port in (broker_port, bot_port, other_port)]
-    idp_config = IdpConfig(
-        resources=resources,
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"{broker_url}/login/callback"],
-                client_secret="broker-login-secret",
-            ),
-            client_metadata("mcp-client", [MCP_CLIENT_REDIRECT]),
-        ],
-    )
+    resources = [f"http://127.0.0.1:{port}/mcp" for port in (bot_port, other_port)]
     with (
         FakeGitHub(redirect_uri=f"{broker_url}/oauth/github/callback") as github,
-        running_idp(idp_config, workdir) as idp,
+        running_stack(
+            workdir,
+            "siblings",
+            port=broker_port,
+            idp={"resources": resources, "mcp_client_redirect": MCP_CLIENT_REDIRECT},
+            providers={"github": github_provider(github)},
+        ) as stack,
+        contextlib.ExitStack() as stops,
     ):
-        config = BrokerConfig(
-            issuer=idp.issuer, port=broker_port, providers={"github": github_provider(github)}
-        )
-        with running_broker(config, workdir, name=f"siblings-{secrets.token_hex(3)}") as broker:
-            common: dict[str, Any] = {"broker": broker, "idp": idp, "github_url": github.url}
-            with contextlib.ExitStack() as stack:
-                siblings: list[SiblingProcess] = []
-                for name, port in (("repo-bot", bot_port), ("other-bot", other_port)):
-                    siblings.append(
-                        start_sibling(name, create_service(broker, name), port, **common)
-                    )
-                    stack.callback(siblings[-1].stop)
-                for sibling in siblings:  # both start in parallel; wait for each
-                    wait_until_serving(sibling)
-                yield Deployment(idp, broker, github, *siblings)
+        idp, broker = stack.idp, stack.broker
+        common: dict[str, Any] = {"broker": broker, "idp": idp, "github_url": github.url}
+        siblings: list[SiblingProcess] = []
+        for name, port in (("repo-bot", bot_port), ("other-bot", other_port)):
+            siblings.append(start_sibling(name, create_service(broker, name), port, **common))
+            stops.callback(siblings[-1].stop)
+        for sibling in siblings:  # both start in parallel; wait for each
+            wait_until_serving(sibling)
+        yield Deployment(idp, broker, github, *siblings)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,8 @@ from ..support.fake_github import FakeGitHub
 from ..support.idp import IdpProcess
 from ..support.schema import validate_response
 
+pytestmark = pytest.mark.both_databases
+
 API_KEY = "sk_CANARYKEY_integration_api_1"
 RETRY_WAIT_SECONDS = 3  # BrokerConfig default of the session broker
 FLOW_TTL_SECONDS = 600  # the broker default; requestState lives as long as its flow

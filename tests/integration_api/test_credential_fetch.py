@@ -34,6 +34,8 @@ from .test_api import (
     register,
 )
 
+pytestmark = pytest.mark.both_databases
+
 
 @pytest.fixture(scope="module")
 def service(broker: BrokerProcess) -> Registered:

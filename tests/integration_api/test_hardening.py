@@ -29,6 +29,8 @@ from .test_api import (
     submit_api_key,
 )
 
+pytestmark = pytest.mark.both_databases
+
 
 @pytest.fixture(scope="module")
 def service(broker: BrokerProcess) -> Registered:

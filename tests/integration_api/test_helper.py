@@ -38,6 +38,8 @@ from ..support.clients import Browser, flow_id_from, request_body, request_heade
 from ..support.idp import IdpProcess, free_port, generate_rsa_jwk, mint_token
 from ..support.schema import validate_response
 
+pytestmark = pytest.mark.both_databases
+
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
 API_KEY = "sk_CANARYKEY_helper_1"

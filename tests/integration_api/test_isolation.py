@@ -49,7 +49,6 @@ Every flow is completed through the real connect page.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +61,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.idp import (
-    IdpConfig,
     IdpProcess,
-    client_metadata,
-    free_port,
     mint_token,
-    running_idp,
 )
 from ..support.schema import validate_response
+from ..support.stack import running_stack
 from .test_api import (
     API_KEY,
     Registered,
@@ -87,6 +83,8 @@ from .test_api import (
     register,
     submit_api_key,
 )
+
+pytestmark = pytest.mark.both_databases
 
 MCP_KEY = "sk_CANARYKEY_isolation_mcp_1"
 DEMO = {"provider": "demo"}
@@ -315,30 +313,15 @@ class Sharing:
 def sharing(workdir: Path) -> Iterator[Sharing]:
     """A broker whose config shares a's connections with b and the broker's own with c; its own
     IdP knows its login callback and /mcp resource."""
-    port = free_port()
-    idp_config = IdpConfig(
-        resources=[f"http://127.0.0.1:{port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{port}/login/callback"],
-                client_secret="broker-login-secret",
-            )
-        ],
-    )
-    with running_idp(idp_config, workdir) as idp:
-        config = BrokerConfig(
-            issuer=idp.issuer,
-            port=port,
-            providers={"demo": DEMO_PROVIDER},
-            services={
-                "b": {"share_from": ["a"], "display_name": "Beta Tools"},
-                "c": {"share_from": ["mcp"]},
-            },
-        )
-        with running_broker(config, workdir, name=f"sharing-{secrets.token_hex(3)}") as broker:
-            services = {name: register(broker, name) for name in ("a", "b", "c")}
-            yield Sharing(idp, broker, services)
+    services = {
+        "b": {"share_from": ["a"], "display_name": "Beta Tools"},
+        "c": {"share_from": ["mcp"]},
+    }
+    with running_stack(
+        workdir, "sharing", providers={"demo": DEMO_PROVIDER}, services=services
+    ) as stack:
+        registered = {name: register(stack.broker, name) for name in ("a", "b", "c")}
+        yield Sharing(stack.idp, stack.broker, registered)
 
 
 @dataclass

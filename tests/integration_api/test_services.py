@@ -33,6 +33,8 @@ from .test_api import (
     require_body,
 )
 
+pytestmark = pytest.mark.both_databases
+
 INVALID_CREDENTIALS = "invalid_service_credentials"
 
 

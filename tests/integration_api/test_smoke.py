@@ -6,9 +6,12 @@ import asyncio
 from typing import Any
 
 import httpx2
+import pytest
 
 from ..support.broker import BrokerProcess, cli
 from ..support.clients import URL_CAPS, Browser
+
+pytestmark = pytest.mark.both_databases
 
 
 def create_service(broker: BrokerProcess, name: str, *args: str) -> str:

@@ -15,6 +15,8 @@ from ..conftest import count_rows
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.schema import validate, validate_response
 
+pytestmark = pytest.mark.both_databases
+
 API_KEY = "sk_CANARYKEY_broker_tools_1"
 DEMO = {"provider": "demo"}
 CONFIRM_KEY = "confirm_disconnect"

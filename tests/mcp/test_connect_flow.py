@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.schema import validate_response
+
+pytestmark = pytest.mark.both_databases
 
 API_KEY = "sk_CANARYKEY_connect_flow_1"
 

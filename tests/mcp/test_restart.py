@@ -32,7 +32,7 @@ from app.db import create_engine
 from app.models import Flow
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
-from ..connect import Stack, dedicated_stack, unique
+from ..connect import unique
 from ..oauth.helpers import (
     Opened,
     approve_at_provider,
@@ -48,7 +48,10 @@ from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.fake_github import FakeGitHub
 from ..support.relay import TcpRelay
 from ..support.schema import validate_response
+from ..support.stack import Stack, running_stack
 from .test_retry import API_KEY, retry, round_one, tool_result
+
+pytestmark = pytest.mark.both_databases
 
 CLAIM_SECONDS = 10.0  # callback delivered to the flow seen `exchanging`; takes milliseconds
 COMMIT_SECONDS = 10.0  # callback delivered to the exchange committed; takes milliseconds
@@ -59,7 +62,7 @@ def stack(workdir: Path) -> Iterator[tuple[Stack, FakeGitHub]]:
     """A broker of its own (it gets killed) with `demo` and a GitHub of its own."""
     with FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake:
         providers = {"demo": DEMO_PROVIDER, "github": github_provider(fake)}
-        with dedicated_stack(workdir, "restart", providers=providers) as stack:
+        with running_stack(workdir, "restart", providers=providers) as stack:
             fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
             yield stack, fake
 

@@ -35,18 +35,16 @@ from app.crypto import Keyring, generate_key
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..connect import dedicated_stack
-from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
-    IdpConfig,
     IdpProcess,
-    client_metadata,
-    free_port,
     mint_token,
-    running_idp,
 )
 from ..support.schema import validate_response
+from ..support.stack import Stack, running_stack, stack_fixture
+
+pytestmark = pytest.mark.both_databases
 
 API_KEY = "sk_CANARYKEY_retry_tests_1"
 ARGUMENTS = {"provider": "demo"}
@@ -654,36 +652,17 @@ async def test_decline_on_the_connect_page_gives_the_retry_a_declined_result(
     assert await count_rows(db, "connections", subject=user) == 0
 
 
-@pytest.fixture(scope="module")
-def slow_broker(workdir: Path) -> Iterator[tuple[IdpProcess, BrokerProcess]]:
-    """A broker with retry_wait_seconds=15 and its own IdP (which knows its login callback)."""
-    port = free_port()
-    idp_config = IdpConfig(
-        resources=[f"http://127.0.0.1:{port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{port}/login/callback"],
-                client_secret="broker-login-secret",
-            )
-        ],
-    )
-    with running_idp(idp_config, workdir) as idp:
-        config = BrokerConfig(
-            issuer=idp.issuer,
-            port=port,
-            retry_wait_seconds=SLOW_RETRY_WAIT_SECONDS,
-            providers={"demo": DEMO_PROVIDER},
-        )
-        with running_broker(config, workdir, name=f"slow-{secrets.token_hex(3)}") as broker:
-            yield idp, broker
+# a broker with retry_wait_seconds=15 and its own IdP
+slow_broker = stack_fixture(
+    "slow", retry_wait_seconds=SLOW_RETRY_WAIT_SECONDS, providers={"demo": DEMO_PROVIDER}
+)
 
 
 @pytest.fixture
 async def slow_clients(
-    slow_broker: tuple[IdpProcess, BrokerProcess],
+    slow_broker: Stack,
 ) -> AsyncIterator[tuple[McpHttp, Browser]]:
-    _, broker = slow_broker
+    broker = slow_broker.broker
     mcp, browser = McpHttp(broker.mcp_url), Browser(broker.url)
     yield mcp, browser
     await mcp.aclose()
@@ -691,11 +670,11 @@ async def slow_clients(
 
 
 async def test_a_waiting_retry_returns_as_soon_as_the_browser_completes_the_flow(
-    slow_broker: tuple[IdpProcess, BrokerProcess], slow_clients: tuple[McpHttp, Browser]
+    slow_broker: Stack, slow_clients: tuple[McpHttp, Browser]
 ) -> None:
     """DESIGN §3.1 step 5: the wait is woken by completion (LISTEN/NOTIFY on PostgreSQL, a short
     poll on SQLite), not by the end of retry_wait_seconds."""
-    idp, broker = slow_broker
+    idp, broker = slow_broker.idp, slow_broker.broker
     mcp, browser = slow_clients
     user = fresh_user("wake")
     token = mint_token(idp.signing_jwk, issuer=idp.issuer, audience=broker.mcp_url, subject=user)
@@ -732,7 +711,7 @@ async def test_r7_waiting_retries_hold_no_database_connection(workdir: Path) -> 
     connection. Twelve of them waiting at once against a pool of two leave the database to
     everyone else: another user's round 1 and the readiness check are answered at once, and
     each waiter gets its URL again when its wait ends."""
-    with dedicated_stack(
+    with running_stack(
         workdir,
         "r7",
         providers={"demo": DEMO_PROVIDER},

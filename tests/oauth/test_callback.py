@@ -40,6 +40,8 @@ from .helpers import (
     unique,
 )
 
+pytestmark = pytest.mark.both_databases
+
 XSS = "<img src=x onerror=alert(1)>"
 OVERSIZED = "C" * 10 * 1024
 

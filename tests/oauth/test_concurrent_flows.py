@@ -24,6 +24,8 @@ from ..support.fake_github import FakeGitHub
 from ..support.load import BackgroundLoad
 from .helpers import approve_at_provider, arm, deliver, retry_connect, unique
 
+pytestmark = [pytest.mark.both_databases, pytest.mark.slow]
+
 # R2 asks 200 flows, 50 at a time; here 25 at a time. At 50, on a 2-CPU machine, this process
 # (50 browsers and the in-process fake GitHub in one interpreter), the IdP, the broker and the
 # database starve each other: on PostgreSQL 3 of 5 runs failed, with exchanges timing out at the

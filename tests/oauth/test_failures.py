@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,10 +26,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
-from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, running_broker
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub, TokenFault
-from ..support.idp import IdpConfig, IdpProcess, client_metadata, free_port, mint_token, running_idp
+from ..support.idp import IdpProcess, free_port, mint_token
+from ..support.stack import running_stack
 from .flows import (
     authorize,
     code_of,
@@ -40,6 +40,8 @@ from .flows import (
     tool_result,
 )
 from .helpers import unique as fresh_user
+
+pytestmark = pytest.mark.both_databases
 
 DEADLINE_SECONDS = 2.0  # the dedicated broker's provider timeout_seconds
 SLACK_SECONDS = 3.0  # process and network overhead allowed on top of a deadline
@@ -362,20 +364,9 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
     `demo`; a database pool of 2), with its own IdP (which knows its login callback) and its own
     fake GitHub."""
     port = free_port()
-    idp_config = IdpConfig(
-        resources=[f"http://127.0.0.1:{port}/mcp"],
-        clients=[
-            client_metadata(
-                "broker-login",
-                [f"http://127.0.0.1:{port}/login/callback"],
-                client_secret="broker-login-secret",
-            )
-        ],
-    )
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     redirect_uri = f"http://127.0.0.1:{port}/oauth/github/callback"
     with (
-        running_idp(idp_config, workdir) as idp,
         FakeGitHub(redirect_uri=redirect_uri) as fake,
         hanging_issuer() as slow_issuer,
     ):
@@ -394,21 +385,21 @@ def dedicated(workdir: Any) -> Iterator[Dedicated]:
             "authorize_url": f"{down}/login/oauth/authorize",
             "token_url": f"{down}/login/oauth/access_token",
         }
-        config = BrokerConfig(
-            issuer=idp.issuer,
+        providers = {
+            "github": github,
+            "ghdown": ghdown,
+            "slowdisco": slowdisco,
+            "demo": DEMO_PROVIDER,
+        }
+        with running_stack(
+            workdir,
+            "deadline",
             port=port,
-            providers={
-                "github": github,
-                "ghdown": ghdown,
-                "slowdisco": slowdisco,
-                "demo": DEMO_PROVIDER,
-            },
+            providers=providers,
             # R6: fewer than the exchanges it holds up
             extra={"database": {"pool_size": DEDICATED_POOL_SIZE}},
-        )
-        name = f"deadline-{secrets.token_hex(3)}"
-        with running_broker(config, workdir, name=name) as broker:
-            yield Dedicated(idp, broker, fake, slow_issuer)
+        ) as stack:
+            yield Dedicated(stack.idp, stack.broker, fake, slow_issuer)
 
 
 @dataclass(frozen=True)

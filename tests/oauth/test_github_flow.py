@@ -6,12 +6,15 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx2
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
 from ..support.clients import Browser, McpHttp, flow_id_from
 from ..support.fake_github import FakeGitHub
 from ..support.schema import validate_response
+
+pytestmark = pytest.mark.both_databases
 
 
 async def authorize_at_provider(browser: Browser, flow_id: str) -> httpx2.Response:

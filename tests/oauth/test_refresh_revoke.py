@@ -36,6 +36,8 @@ from .flows import (
 from .helpers import connection_row
 from .helpers import unique as fresh_user
 
+pytestmark = pytest.mark.both_databases
+
 CALLS_PER_PROCESS = 4
 START_TIMEOUT = 30.0
 CONFIRM = {"confirm_disconnect": {"action": "accept", "content": {"confirm": True}}}

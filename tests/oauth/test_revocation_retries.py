@@ -45,7 +45,7 @@ from .test_refresh_revoke import (
     users_with_github,
 )
 
-pytestmark = pytest.mark.usefixtures("_fresh_fake")
+pytestmark = [pytest.mark.usefixtures("_fresh_fake"), pytest.mark.both_databases]
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ from .helpers import unique as fresh_user
 from .test_refresh_revoke import disconnect_with_the_tool
 from .test_revocation_retries import pending_for
 
+pytestmark = pytest.mark.both_databases
+
 SLACK = {"provider": "slack"}
 
 
