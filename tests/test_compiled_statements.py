@@ -19,6 +19,8 @@ from app.tables import connections as connections_table
 from app.tables import flows as flows_table
 from app.tables import services as services_table
 
+pytestmark = pytest.mark.both_databases
+
 KEY = ("issuer-value", "subject-value", "provider-value", "audience-value")
 DIALECTS = {"sqlite": sqlite_store.DIALECT, "postgresql": postgres_store.DIALECT}
 

@@ -40,7 +40,10 @@ from ..support.broker import BrokerProcess
 from ..support.clients import URL_CAPS, Browser, McpHttp, flow_id_from
 from ..support.idp import IdpProcess
 from ..support.schema import validate_response
-from . import Stack, dedicated_stack, unique
+from ..support.stack import Stack, running_stack
+from . import unique
+
+pytestmark = pytest.mark.both_databases
 
 URL_CAPABILITY: dict[str, Any] = {"elicitation": {"url": {}}}
 WITHOUT_URL = [{}, {"elicitation": {}}, {"elicitation": {"form": {}}}]
@@ -327,7 +330,7 @@ class Sharing:
 
 @pytest.fixture(scope="module")
 def sharing(workdir: Path) -> Iterator[Sharing]:
-    with dedicated_stack(
+    with running_stack(
         workdir,
         unique("one-round-sharing"),
         providers={"demo": DEMO_PROVIDER},
