@@ -14,9 +14,10 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
+from app.asgi_route import AsgiRoute
 from app.auth import login
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
@@ -160,8 +161,8 @@ def _hot_routes() -> list[BaseRoute]:
     resource its tokens are for (`/.well-known/oauth-protected-resource/mcp`).
     """
     return [
-        Route(MCP_PATH, McpEndpoint()),
-        Route(MCP_PATH + "/", _NotFound()),
+        AsgiRoute(MCP_PATH, McpEndpoint()),
+        AsgiRoute(MCP_PATH + "/", _NotFound()),
         credential_route.route(),
     ]
 

@@ -425,7 +425,11 @@ async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_locko
 
         served = [
             await get("/api/v1/credentials/demo", secret),  # ivan has no key
-            await get("/api/v1/credentials/demo?via=x", secret),  # authenticated, then refused
+            await http.get(  # authenticated, then refused for the extra parameter
+                "/api/v1/credentials/demo",
+                params={**query, "via": "x"},
+                headers={"Authorization": f"Bearer {secret}"},
+            ),
             await get("/api/v1/connections", secret),
         ]
         refused = await get("/api/v1/credentials/demo", wrong)

@@ -23,9 +23,9 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from app.asgi_route import AsgiRoute
 from app.auth.principal import Principal
 from app.direct import ConnectionRecord
 from app.errors import BrokerError
@@ -119,8 +119,7 @@ def _fault(name: str, message: str, kind: str) -> dict[str, Any]:
 
 
 class CredentialFetch:
-    """The route's ASGI endpoint. An object, not a function: Starlette would wrap a function in
-    its request/response adapter."""
+    """The route's ASGI endpoint."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "GET":  # answered as the router answers one (not even HEAD)
@@ -191,9 +190,9 @@ async def credential_for(
     return found
 
 
-def route() -> Route:
+def route() -> AsgiRoute:
     """Every method comes to the endpoint: a GET route of Starlette's would also take HEAD."""
-    return Route(PATH, CredentialFetch())
+    return AsgiRoute(PATH, CredentialFetch())
 
 
 def add_operation(openapi: dict[str, Any]) -> None:

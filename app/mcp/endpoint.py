@@ -223,8 +223,7 @@ async def method_not_allowed(_scope: Scope, _receive: Receive) -> Response:
 
 
 class McpEndpoint:
-    """/mcp as an ASGI endpoint. An object, not a function: Starlette would wrap a function in
-    its request/response adapter."""
+    """/mcp as an ASGI endpoint (app/asgi_route.py)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
