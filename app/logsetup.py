@@ -6,7 +6,9 @@ Two costs dominated it, and both are gone:
 - A write(2) per line. Lines go to a buffered stream on stderr's descriptor, flushed once per
   event-loop turn (every line of that turn in one write), at once outside a running loop, and at
   once for WARNING and above. `logging.shutdown` flushes what is left at exit.
-- Caller lookup (a stack walk) and thread/process names, which the format never shows.
+- Thread and process names, which the format never shows (`logging.logThreads` and the like).
+  The caller lookup (a stack walk) stays: logging offers no public switch for it, and no hot
+  path writes a record (the access line skips it, below).
 
 `LineFormatter` also reuses the timestamp text within a second: `localtime` and `strftime` cost
 more than the rest of a line.
@@ -170,7 +172,6 @@ def configure_logging(stream: TextIO | None = None) -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    logging._srcfile = None  # no caller lookup: the format shows no file, line or function
     handler = TurnFlushedHandler(stream if stream is not None else buffered_stderr())
     handler.setFormatter(LineFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler])

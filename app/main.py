@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
@@ -13,8 +14,10 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute
+from starlette.types import Receive, Scope, Send
 
+from app.asgi_route import AsgiRoute
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
 from app.auth.dev_idp import DevIdentityProvider
@@ -41,11 +44,11 @@ from app.errors import (
     on_http_exception,
     on_unexpected_error,
 )
-from app.integration_api import credential_fetch
+from app.integration_api import credential_route
 from app.integration_api import routes as integration_routes
 from app.limits import RateLimits
 from app.mcp.broker_tools import register_broker_tools
-from app.mcp.endpoint import mcp_endpoint, method_not_allowed
+from app.mcp.endpoint import McpEndpoint
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
 from app.metrics import BrokerMetrics
@@ -189,27 +192,10 @@ def allowed_hosts(settings: Settings) -> frozenset[str]:
 
 
 class BrokerApp(FastAPI):
-    """FastAPI, except for the two hot paths, which skip FastAPI's middleware and routing:
-    POST /mcp, and a well-formed GET /api/v1/credentials/{provider}."""
-
-    mcp_stack: ASGIApp | None = None
-    credential_stack: ASGIApp | None = None
+    """FastAPI, with one traceback per failed request in the log, and the credential route
+    (a plain Starlette route) in the OpenAPI document."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            fast = None
-            if path == "/mcp":
-                fast = self.mcp_stack
-            elif path.startswith(credential_fetch.PREFIX):
-                user = credential_fetch.user_query(scope)
-                if user is not None:
-                    scope[credential_fetch.USER_KEY] = user
-                    fast = self.credential_stack
-            if fast is not None:
-                scope["app"] = self
-                await fast(scope, receive, send)
-                return
         try:
             await super().__call__(scope, receive, send)
         except Exception as exc:
@@ -219,11 +205,36 @@ class BrokerApp(FastAPI):
             if scope.get(LOGGED_ERROR_KEY) is not exc:
                 raise
 
+    def openapi(self) -> dict[str, Any]:
+        first = self.openapi_schema is None
+        document = super().openapi()  # kept by FastAPI after the first call
+        if first:
+            credential_route.add_operation(document)
+        return document
 
-async def _mcp_asgi(scope: Scope, receive: Receive, send: Send) -> None:
-    handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
-    response = await handler(scope, receive)
-    await response(scope, receive, send)
+
+MCP_PATH = "/mcp"
+
+
+class _NotFound:
+    """An ASGI endpoint that answers as a routing miss is answered (`on_http_exception`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise StarletteHTTPException(status_code=404)
+
+
+def _hot_routes() -> list[BaseRoute]:
+    """The hot paths, first in the router, which then finds them on its first comparisons.
+
+    `/mcp/` answers 404 like any unknown path: without a route of its own the router would
+    redirect it to /mcp (307), and a client would then use an MCP endpoint other than the
+    resource its tokens are for (`/.well-known/oauth-protected-resource/mcp`).
+    """
+    return [
+        AsgiRoute(MCP_PATH, McpEndpoint()),
+        AsgiRoute(MCP_PATH + "/", _NotFound()),
+        credential_route.route(),
+    ]
 
 
 def create_app(
@@ -266,7 +277,12 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url="/api/v1/openapi.json",
+        # FastAPI's own OpenTelemetry spans, metrics and exception logs are off: the broker
+        # counts requests itself (/metrics), logs a bug once with its messages withheld
+        # (app/bug_report.py), and would otherwise ask for the providers on every request
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    app.router.routes[:0] = _hot_routes()
     app.state.runtime = runtime
     share(app, runtime)
     app.state.development = dev_idp is not None  # every page then shows the development banner
@@ -291,17 +307,13 @@ def create_app(
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)
     hosts = allowed_hosts(settings)
-    app.add_middleware(BodyLimit, limit=settings.server.max_api_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.server.max_api_body_bytes,
+        own_limit_paths=frozenset({MCP_PATH}),
+    )
     app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=ANY_HOST_PATHS)
     app.add_middleware(AccessLog, metrics=runtime.metrics)
-    app.mcp_stack = AccessLog(
-        HostGuard(_mcp_asgi, allowed_hosts=hosts), runtime.metrics, route="/mcp"
-    )
-    app.credential_stack = AccessLog(
-        HostGuard(credential_fetch.credential_fetch, allowed_hosts=hosts),
-        runtime.metrics,
-        route=credential_fetch.ROUTE,
-    )
     return app
 
 

@@ -82,8 +82,9 @@ def _log_refused_host(host: str, allowed: frozenset[str]) -> None:
 
 
 class BodyLimit:
-    """Refuse a request body past `limit` bytes, on every route FastAPI serves (/mcp, which
-    FastAPI does not serve, caps its own body: app/mcp/endpoint.py).
+    """Refuse a request body past `limit` bytes, on every route but `own_limit_paths`, whose
+    endpoints cap their own bodies (/mcp: `server.max_body_bytes`, refused in JSON-RPC,
+    app/mcp/endpoint.py).
 
     The body is counted as it arrives, so a chunked body (no Content-Length) stops at the cap
     like a declared one; a declared length past the cap fails at the first read, before any of
@@ -93,12 +94,15 @@ class BodyLimit:
     under /api/v1). A route that never reads its body never pays for it.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(
+        self, app: ASGIApp, limit: int, own_limit_paths: frozenset[str] = frozenset()
+    ) -> None:
         self.app = app
         self.limit = limit
+        self.own_limit_paths = own_limit_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.own_limit_paths:
             await self.app(scope, receive, send)
             return
         limit = self.limit
@@ -136,15 +140,12 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
 
 class AccessLog:
     """One line per request: method, path (never the query), status, milliseconds, request id;
-    and the request counted in `metrics`, under `route` or else the template of the route that
-    answered it (Starlette's router leaves it in the scope)."""
+    and the request counted in `metrics`, under the template of the route that answered it
+    (Starlette's router leaves it in the scope)."""
 
-    def __init__(
-        self, app: ASGIApp, metrics: BrokerMetrics | None = None, route: str | None = None
-    ) -> None:
+    def __init__(self, app: ASGIApp, metrics: BrokerMetrics | None = None) -> None:
         self.app = app
         self.metrics = metrics
-        self.route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -166,7 +167,7 @@ class AccessLog:
         finally:
             seconds = time.perf_counter() - started
             if self.metrics is not None:
-                self.metrics.request(self.route or _route(scope), scope["method"], status, seconds)
+                self.metrics.request(_route(scope), scope["method"], status, seconds)
             handler = sole_line_handler(access_logger, logging.INFO)
             if handler is not None:
                 line = (

@@ -5,7 +5,7 @@ address's new tokens and service secrets are refused unchecked (app/limits.py).
 The token buckets are tested alone with a hand-driven clock; the limits themselves on a broker of
 their own (small budgets: 3 at once, then one every 3 s, so a stalled machine does not refill a
 bucket mid-test), on the wire, through the official MCP client, and for the integration API on
-both of its paths (the credential fetch's fast path and a FastAPI route).
+both kinds of route (the credential fetch's plain route and a FastAPI route).
 """
 
 from __future__ import annotations
@@ -372,18 +372,18 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
     secret = created.stdout.strip()
     wrong = "cbs_" + secrets.token_urlsafe(32)
     query = {"issuer": idp.issuer, "subject": "hana"}
-    fast_path = "/api/v1/credentials/demo"  # the credential fetch's own path
+    credential_route = "/api/v1/credentials/demo"  # a plain route of its own
     fastapi_route = "/api/v1/connections"
     async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
 
         def get(path: str, bearer: str) -> Any:
             return http.get(path, params=query, headers={"Authorization": f"Bearer {bearer}"})
 
-        for path in (fast_path, fastapi_route, fast_path):
+        for path in (credential_route, fastapi_route, credential_route):
             failed = await get(path, wrong)
             assert failed.status_code == 401
             assert failed.json()["type"] == "urn:connect-broker:error:invalid_service_credentials"
-        for path in (fast_path, fastapi_route):
+        for path in (credential_route, fastapi_route):
             for bearer in (wrong, secret):  # a secret never verified here is not looked up either
                 refused = await get(path, bearer)
                 assert refused.status_code == 429, (path, refused.text)
@@ -397,14 +397,14 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
                 assert secret not in refused.text and wrong not in refused.text
         assert await refusals(limited_broker) == {"failed_auths": 4}
         await asyncio.sleep(int(refused.headers["retry-after"]) + 0.2)
-        assert (await get(fast_path, secret)).status_code == 404  # served: hana has no key
+        assert (await get(credential_route, secret)).status_code == 404  # served: hana has no key
 
 
 async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_lockout(
     limited_broker: BrokerProcess, idp: IdpProcess
 ) -> None:
     """L10. Siblings behind one address (a shared NAT): wrong secrets from one of them spend the
-    address's budget, and a secret this broker has verified keeps being served on both paths,
+    address's budget, and a secret this broker has verified keeps being served on every path,
     as verified MCP tokens are, while the wrong ones are refused unchecked."""
     created = cli("service", "create", "nat-sibling", config_path=limited_broker.config_path)
     assert created.returncode == 0, created.stderr
@@ -424,13 +424,17 @@ async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_locko
         assert (await get("/api/v1/connections", wrong)).status_code == 429
 
         served = [
-            await get("/api/v1/credentials/demo", secret),  # the fast path: ivan has no key
-            await get("/api/v1/credentials/demo?via=fastapi", secret),  # the FastAPI route
+            await get("/api/v1/credentials/demo", secret),  # ivan has no key
+            await http.get(  # authenticated, then refused for the extra parameter
+                "/api/v1/credentials/demo",
+                params={**query, "via": "x"},
+                headers={"Authorization": f"Bearer {secret}"},
+            ),
             await get("/api/v1/connections", secret),
         ]
         refused = await get("/api/v1/credentials/demo", wrong)
 
-    assert [answer.status_code for answer in served] == [404, 404, 200]
+    assert [answer.status_code for answer in served] == [404, 422, 200]
     assert refused.status_code == 429
     assert refused.json()["type"] == "urn:connect-broker:error:too_many_failed_authentications"
     assert secret not in limited_broker.log() and wrong not in limited_broker.log()

@@ -1,4 +1,5 @@
 """/api/v1: the integration API for sibling MCP servers (documented by the app's OpenAPI).
+The credential fetch, its hot path, is a plain route of its own (credential_route.py).
 
 A sibling authenticates as itself (`Authorization: Bearer <service secret>`) and names the user
 it verified from its own MCP token; it never forwards that token. It asks for a credential and
@@ -23,7 +24,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app import credentials
 from app.auth.principal import Principal
 from app.connect import disconnect as disconnection
-from app.connect.refresh import KnownRows
 from app.connect.require import service_audiences
 from app.deps import RuntimeDep, SessionDep
 from app.integration_api import services
@@ -31,14 +31,11 @@ from app.integration_api.broker import (
     ConnectionItem,
     ConnectionList,
     ConnectOutcome,
-    CredentialView,
     Disconnection,
     RequireRequest,
     ResumeRequest,
-    UsableCredential,
     require_connection,
     resume_connection,
-    usable_for,
 )
 from app.integration_api.problems import (
     InvalidServiceCredentials,
@@ -163,14 +160,16 @@ def refuse_spent_address(runtime: Runtime, address: str, secret: str) -> None:
 CallingService = Annotated[Service, Depends(calling_service)]
 
 
-def _provider(runtime: Runtime, service: Service, name: str) -> None:
+def check_provider(runtime: Runtime, service: Service, name: str) -> None:
+    """404 for a provider not configured, 403 for one the service is not registered for."""
     if name not in runtime.settings.providers:
         raise UnknownProvider()
     if not service.may_use(name):
         raise ProviderNotAllowed()
 
 
-def _principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
+def known_principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
+    """The user, if of the identity provider this broker trusts (else 400)."""
     if issuer != runtime.settings.identity.issuer or not subject or len(subject) > 255:
         raise UnknownIssuer()
     return Principal(issuer, subject)
@@ -190,8 +189,8 @@ async def require(
     response: Response,
 ) -> ConnectOutcome:
     """The user's credential, or the input-required payload to return to the MCP client."""
-    _provider(runtime, service, provider)
-    principal = _principal(runtime, body.user.issuer, body.user.subject)
+    check_provider(runtime, service, provider)
+    principal = known_principal(runtime, body.user.issuer, body.user.subject)
     return _not_stored(
         response, await require_connection(runtime, service, provider, principal, body)
     )
@@ -211,8 +210,8 @@ async def resume(
     response: Response,
 ) -> ConnectOutcome:
     """On the client's retry: the echoed requestState and the client's inputResponses entry."""
-    _provider(runtime, service, provider)
-    principal = _principal(runtime, body.user.issuer, body.user.subject)
+    check_provider(runtime, service, provider)
+    principal = known_principal(runtime, body.user.issuer, body.user.subject)
     return _not_stored(
         response, await resume_connection(runtime, service, provider, principal, body)
     )
@@ -225,46 +224,6 @@ def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
     return outcome
 
 
-@router.get(
-    "/credentials/{provider}",
-    response_model=CredentialView,
-    response_model_exclude_none=True,
-    responses=problem_responses(400, 403, 404),
-)
-async def credential(
-    provider: str,
-    runtime: RuntimeDep,
-    service: CallingService,
-    issuer: UserIssuer,
-    subject: UserSubject,
-    response: Response,
-) -> CredentialView:
-    """A usable credential (OAuth access tokens are refreshed first when they expire soon)."""
-    found = await credential_for(runtime, service, provider, issuer, subject)
-    response.headers.update(NO_STORE)
-    return found.view()
-
-
-async def credential_for(
-    runtime: Runtime,
-    service: Service,
-    provider: str,
-    issuer: str,
-    subject: str,
-    *,
-    known: KnownRows | None = None,
-) -> UsableCredential:
-    """The credential route's answer, also given by its fast path (credential_fetch.py), which
-    passes the service's own connection row, read with the service (`known`)."""
-    _provider(runtime, service, provider)
-    found = await usable_for(
-        runtime, service, provider, _principal(runtime, issuer, subject), known=known
-    )
-    if found is None:
-        raise NotConnected()
-    return found
-
-
 @router.get("/connections", responses=problem_responses(400))
 async def list_connections(
     runtime: RuntimeDep,
@@ -274,7 +233,7 @@ async def list_connections(
     subject: UserSubject,
 ) -> ConnectionList:
     """The user's connections this service can read: its own and those it shares from."""
-    principal = _principal(runtime, issuer, subject)
+    principal = known_principal(runtime, issuer, subject)
     items = []
     for audience in service_audiences(runtime.round_context, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
@@ -301,11 +260,11 @@ async def delete_connection(
     subject: UserSubject,
 ) -> Disconnection:
     """Revoke upstream (where supported) and delete the service's own connection."""
-    _provider(runtime, service, provider)
+    check_provider(runtime, service, provider)
     outcome = await disconnection.disconnect(
         session,
         runtime.revoker,
-        principal=_principal(runtime, issuer, subject),
+        principal=known_principal(runtime, issuer, subject),
         provider=provider,
         audience=service.name,
     )

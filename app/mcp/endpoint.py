@@ -5,9 +5,9 @@ tool reports some (app/mcp/progress.py).
 
 Order: Origin allow-list (403) → bearer token (401/403; 429 from an address past its failed
 authentications) → Content-Type (415) → body size (413) → JSON-RPC envelope (400) → headers and
-_meta (400) → method (404) → the user's request budget (429) → dispatch. Called with the
-ASGI scope and receive channel (app/main.py dispatches /mcp before FastAPI's routing): this is the
-hot path and needs no routing, request object or dependency injection.
+_meta (400) → method (404) → the user's request budget (429) → dispatch. A raw ASGI endpoint
+(`McpEndpoint`), the first route of the app: this is the hot path and needs no request object or
+dependency injection.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
-from starlette.types import Receive, Scope
+from starlette.types import Receive, Scope, Send
 
 from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
@@ -259,3 +259,12 @@ async def _read_body(receive: Receive, headers: HeaderMap, limit: int) -> bytes:
 
 async def method_not_allowed(_scope: Scope, _receive: Receive) -> Response:
     return Response(status_code=405, headers={"Allow": "POST"})
+
+
+class McpEndpoint:
+    """/mcp as an ASGI endpoint (app/asgi_route.py)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
+        response = await handler(scope, receive)
+        await response(scope, receive, send)

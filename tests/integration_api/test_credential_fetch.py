@@ -1,7 +1,6 @@
-"""GET /api/v1/credentials/{provider} is served two ways (app/integration_api/credential_fetch.py):
-a well-formed request skips FastAPI, anything else goes through the FastAPI route. Both must give
-the same answer, so each case is sent both ways: plain, and with an extra query parameter that
-FastAPI ignores but that sends the request down the FastAPI route."""
+"""GET /api/v1/credentials/{provider} (app/integration_api/credential_route.py): a plain
+Starlette route that reads its query and serialises its answer itself, so each of those is
+checked here against what FastAPI would have done, and every answer is checked whole."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from fastapi.exceptions import RequestValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from starlette.datastructures import QueryParams
 
@@ -18,7 +18,7 @@ from app.auth.principal import Principal
 from app.credentials import Credential
 from app.crypto import Keyring
 from app.integration_api.broker import UsableCredential
-from app.integration_api.credential_fetch import user_query
+from app.integration_api.credential_route import read_user
 from connect_broker_client.broker import _credential
 
 from ..support.broker import BrokerProcess
@@ -31,6 +31,7 @@ from .test_api import (
     connect_demo,
     fresh_name,
     fresh_user,
+    problem,
     register,
 )
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.both_databases
 
 @pytest.fixture(scope="module")
 def service(broker: BrokerProcess) -> Registered:
-    return register(broker, fresh_name("fast"))
+    return register(broker, fresh_name("fetch"))
 
 
 @pytest.fixture
@@ -49,48 +50,51 @@ async def api(broker: BrokerProcess, service: Registered) -> Any:
     await client.aclose()
 
 
-def scope(path: str, query: bytes, method: str = "GET") -> dict[str, Any]:
-    return {"type": "http", "method": method, "path": path, "query_string": query}
-
-
-@pytest.mark.parametrize(
-    ("path", "query", "method", "expected"),
-    [
-        ("/api/v1/credentials/demo", b"issuer=https%3A%2F%2Fidp&subject=al+ice", "GET", True),
-        ("/api/v1/credentials/demo", b"subject=alice&issuer=i", "GET", True),
-        ("/api/v1/credentials/demo", b"issuer=i&subject=alice", "POST", False),
-        ("/api/v1/credentials/demo", b"issuer=i", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i&subject=alice&x=1", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i&issuer=j", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=&subject=alice", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i&subject=" + b"a" * 256, "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i&subject", "GET", False),
-        ("/api/v1/credentials/", b"issuer=i&subject=alice", "GET", False),
-        ("/api/v1/credentials/demo/x", b"issuer=i&subject=alice", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i&subject=al%00ice", "GET", False),
-        ("/api/v1/credentials/demo", b"issuer=i%00&subject=alice", "GET", False),
-    ],
-)
-def test_only_well_formed_fetches_take_the_fast_path(
-    path: str, query: bytes, method: str, expected: bool
-) -> None:
-    assert (user_query(scope(path, query, method)) is not None) is expected
-
-
 @pytest.mark.parametrize(
     "query",
     [
         b"issuer=https%3A%2F%2Fidp.example%2F&subject=al+ice",
+        b"subject=alice&issuer=i",
         b"issuer=%E2%9C%93&subject=%zz%2",  # UTF-8, and percent signs that escape nothing
         b"issuer=i&subject=%ff%fe",  # not UTF-8: replacement characters, as Starlette decodes
         b"issuer=a%26b&subject=c%3Dd",  # an escaped & and = inside values
         b"subject=%20x%20&issuer=i",
+        b"issuer=i&subject=" + b"a" * 255,
+        b"&issuer=i&&subject=s&",  # empty fields are skipped
+        b"issuer=" + b"%41" * 255 + b"&subject=s",  # longer escaped than any value decoded
     ],
 )
-def test_the_fast_path_reads_the_query_as_starlette_does(query: bytes) -> None:
-    found = user_query(scope("/api/v1/credentials/demo", query))
+def test_the_query_is_read_as_starlette_reads_it(query: bytes) -> None:
     expected = QueryParams(query.decode("latin-1"))
-    assert found == (expected["issuer"], expected["subject"])
+    assert read_user(query) == (expected["issuer"], expected["subject"])
+
+
+@pytest.mark.parametrize(
+    ("query", "faults"),
+    [
+        (b"issuer=i", [("subject", "missing")]),
+        (b"", [("issuer", "missing"), ("subject", "missing")]),
+        (b"issuer=i&subject=alice&x=1", [("x", "extra_forbidden")]),
+        (b"=x&issuer=i&subject=alice", [("", "extra_forbidden")]),
+        (b"issuer=i&subj%65ct+=alice", [("subject ", "extra_forbidden"), ("subject", "missing")]),
+        (b"issuer=i&issuer=j&subject=alice", [("issuer", "duplicate")]),
+        (b"issuer=&subject=alice", [("issuer", "string_too_short")]),
+        (b"issuer=i&subject", [("subject", "string_too_short")]),
+        (b"issuer=i&subject=" + b"a" * 256, [("subject", "string_too_long")]),
+        (b"issuer=i&subject=al%00ice", [("subject", "value_error")]),
+        (b"issuer=i%00&subject=", [("issuer", "value_error"), ("subject", "string_too_short")]),
+    ],
+)
+def test_a_query_other_than_issuer_and_subject_is_refused_naming_each_fault(
+    query: bytes, faults: list[tuple[str, str]]
+) -> None:
+    with pytest.raises(RequestValidationError) as refused:
+        read_user(query)
+    errors = refused.value.errors()
+    assert [(error["loc"], error["type"]) for error in errors] == [
+        (("query", name), kind) for name, kind in faults
+    ]
+    assert all(error["msg"] for error in errors)
 
 
 @pytest.mark.parametrize(
@@ -109,53 +113,70 @@ def test_the_fast_path_reads_the_query_as_starlette_does(query: bytes) -> None:
         ),
     ],
 )
-def test_the_fast_path_document_is_the_routes_json_byte_for_byte(credential: Credential) -> None:
-    """The fast path encodes the credential itself (UsableCredential.document); FastAPI's route
-    has pydantic serialize the same credential (`response_model_exclude_none`)."""
+def test_the_answer_is_the_documented_models_json_byte_for_byte(credential: Credential) -> None:
+    """The route encodes the credential itself (UsableCredential.document): the bytes pydantic
+    would make of the model the OpenAPI document gives (`CredentialView`, without nulls)."""
     for usable in (UsableCredential("api_key", credential), UsableCredential("oauth2", credential)):
         assert usable.document() == usable.view().model_dump_json(exclude_none=True).encode()
 
 
-async def both_ways(
+async def fetch(
     http: httpx2.AsyncClient, provider: str, user: dict[str, str], secret: str | None
-) -> tuple[httpx2.Response, httpx2.Response]:
+) -> httpx2.Response:
     headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
-    fast = await http.get(f"/credentials/{provider}", params=user, headers=headers)
-    routed = await http.get(
-        f"/credentials/{provider}", params={**user, "via": "fastapi"}, headers=headers
-    )
-    return fast, routed
+    return await http.get(f"/credentials/{provider}", params=user, headers=headers)
 
 
-def same_answer(fast: httpx2.Response, routed: httpx2.Response, status: int) -> None:
-    assert fast.status_code == routed.status_code == status, (fast.text, routed.text)
-    for header in ("content-type", "www-authenticate", "retry-after"):
-        assert fast.headers.get(header) == routed.headers.get(header), header
-    fast_body, routed_body = fast.json(), routed.json()
-    if "instance" in fast_body or "instance" in routed_body:  # a problem: each names its request
-        assert fast_body.pop("instance") != routed_body.pop("instance")
-    assert fast_body == routed_body
+def refused(response: httpx2.Response, status: int, code: str) -> None:
+    """A problem answer, with no `Cache-Control` (it carries no credential), naming the scheme
+    only on a 401."""
+    problem(response, status, code)
+    assert "cache-control" not in response.headers
+    expected = 'Bearer realm="connect-broker"' if status == 401 else None
+    assert response.headers.get("www-authenticate") == expected
+    assert "retry-after" not in response.headers
 
 
-async def test_fast_path_and_fastapi_route_give_the_same_answers(
+async def test_each_answer_of_the_credential_route(
     broker: BrokerProcess, api: ServiceApi, browser: Browser, idp: IdpProcess
 ) -> None:
-    user = {"issuer": idp.issuer, "subject": fresh_user("fast-path")}
+    user = {"issuer": idp.issuer, "subject": fresh_user("fetch")}
     limited = register(broker, fresh_name("only-github"), "--providers", "github")
     async with httpx2.AsyncClient(
         base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
     ) as http:
-        same_answer(*await both_ways(http, "demo", user, api.secret), 404)  # not connected
+        refused(await fetch(http, "demo", user, api.secret), 404, "not_connected")
         await connect_demo(api, browser, user)
-        fast, routed = await both_ways(http, "demo", user, api.secret)
-        same_answer(fast, routed, 200)
-        assert fast.json()["secret"] == API_KEY
-        same_answer(*await both_ways(http, "nope", user, api.secret), 404)
-        same_answer(*await both_ways(http, "demo", user, "cbs_not-a-secret"), 401)
-        same_answer(*await both_ways(http, "demo", user, None), 401)
-        same_answer(*await both_ways(http, "demo", user, limited.secret), 403)
+        fetched = await fetch(http, "demo", user, api.secret)
+        assert fetched.status_code == 200, fetched.text
+        assert fetched.headers["content-type"] == "application/json"
+        assert fetched.headers["cache-control"] == "no-store"
+        assert "www-authenticate" not in fetched.headers
+        assert fetched.json() == {
+            "provider": "demo",
+            "kind": "api_key",
+            "secret": API_KEY,
+            "scopes": [],
+        }
+        refused(await fetch(http, "nope", user, api.secret), 404, "unknown_provider")
+        refused(
+            await fetch(http, "demo", user, "cbs_not-a-secret"), 401, "invalid_service_credentials"
+        )
+        refused(await fetch(http, "demo", user, None), 401, "invalid_service_credentials")
+        refused(await fetch(http, "demo", user, limited.secret), 403, "provider_not_allowed")
         other = {"issuer": "https://evil.example", "subject": user["subject"]}
-        same_answer(*await both_ways(http, "demo", other, api.secret), 400)
+        refused(await fetch(http, "demo", other, api.secret), 400, "unknown_issuer")
+        extra = {**user, "via": "elsewhere"}
+        refused(await fetch(http, "demo", extra, api.secret), 422, "invalid_request")
+        posted = await http.post(
+            "/credentials/demo", params=user, headers={"Authorization": f"Bearer {api.secret}"}
+        )
+        refused(posted, 405, "method_not_allowed")
+        assert posted.headers["allow"] == "GET"
+        head = await http.head(
+            "/credentials/demo", params=user, headers={"Authorization": f"Bearer {api.secret}"}
+        )
+        assert (head.status_code, head.headers["allow"]) == (405, "GET")
 
 
 async def test_a_value_the_database_refuses_is_answered_before_any_statement(
@@ -169,12 +190,13 @@ async def test_a_value_the_database_refuses_is_answered_before_any_statement(
     async with httpx2.AsyncClient(
         base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
     ) as http:
-        fast, routed = await both_ways(http, "demo", user, "cbs_not-a-secret")
-        same_answer(fast, routed, 401)
-        fast, routed = await both_ways(http, "demo", user, api.secret)
-        same_answer(fast, routed, 422)
-        assert [error["loc"] for error in fast.json()["errors"]] == [["query", "subject"]]
-        assert "NUL" in fast.json()["errors"][0]["msg"]
+        refused(
+            await fetch(http, "demo", user, "cbs_not-a-secret"), 401, "invalid_service_credentials"
+        )
+        invalid = await fetch(http, "demo", user, api.secret)
+        refused(invalid, 422, "invalid_request")
+        assert [error["loc"] for error in invalid.json()["errors"]] == [["query", "subject"]]
+        assert "NUL" in invalid.json()["errors"][0]["msg"]
         required = await http.post(
             "/connections/demo/require",
             json={"user": user, "client_name": "ok"},
@@ -184,7 +206,7 @@ async def test_a_value_the_database_refuses_is_answered_before_any_statement(
     assert " ERROR " not in broker.log()[logged_before:]
 
 
-async def test_an_oauth_credential_carries_its_expiry_both_ways(
+async def test_an_oauth_credential_carries_its_expiry(
     broker: BrokerProcess, api: ServiceApi, idp: IdpProcess, db: AsyncEngine
 ) -> None:
     """An OAuth access token's expiry reaches the sibling (`expires_at`), so it knows when to
@@ -206,10 +228,11 @@ async def test_an_oauth_credential_carries_its_expiry_both_ways(
     async with httpx2.AsyncClient(
         base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
     ) as http:
-        fast, routed = await both_ways(http, "github", user, api.secret)
+        fetched = await fetch(http, "github", user, api.secret)
 
-    same_answer(fast, routed, 200)
-    body = fast.json()
+    assert fetched.status_code == 200, fetched.text
+    assert fetched.headers["cache-control"] == "no-store"
+    body = fetched.json()
     assert (body["kind"], body["secret"], body["account"]) == ("oauth2", "gho_expiring", "octo")
     assert datetime.fromisoformat(body["expires_at"]) == expires
     assert _credential(body).expires_at == expires  # the sibling helper reads it too

@@ -264,6 +264,20 @@ async def test_b7_a_chunked_body_under_the_limit_is_read_whole(
     assert response.json()["result"]["resultType"] == "input_required"
 
 
+async def test_b7_a_body_past_the_integration_apis_cap_is_read_within_the_mcp_cap(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    """B7 control: /mcp caps its body at `server.max_body_bytes` (256 KiB), in JSON-RPC; the
+    app-wide cap of the other routes (`server.max_api_body_bytes`, 64 KiB) leaves it alone."""
+    body = connect_body()
+    body["params"]["arguments"]["padding"] = "x" * (128 * 1024)
+
+    response = await mcp.post(body, token=token_for(fresh_user("b7mid")))
+
+    assert response.status_code == 200, response.text
+    assert response.json()["error"]["code"] == -32602  # read whole: the argument is refused
+
+
 async def test_b8_wrong_content_type_is_refused(
     mcp: McpHttp, token_for: Any, db: AsyncEngine
 ) -> None:
@@ -432,6 +446,21 @@ async def test_b16_get_and_delete_are_method_not_allowed(
     assert response.status_code == 405
     assert "POST" in response.headers["allow"]
     assert not response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def test_the_endpoint_with_a_trailing_slash_is_not_found_never_redirected(
+    mcp: McpHttp, token_for: Any
+) -> None:
+    """/mcp/ is not the endpoint: 404 like any unknown path, not a redirect to /mcp (a client
+    would then talk to an endpoint other than the resource its tokens are for)."""
+    body = request_body("tools/list")
+    headers = request_headers(body, token_for(fresh_user("slash")))
+
+    response = await mcp.http.post(mcp.mcp_url + "/", json=body, headers=headers)
+
+    assert response.status_code == 404, response.text
+    assert "location" not in response.headers
+    assert response.json() == {"detail": "Not Found"}
 
 
 async def test_b17_legacy_session_header_is_ignored_and_never_echoed(

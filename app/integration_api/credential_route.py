@@ -1,0 +1,253 @@
+"""GET /api/v1/credentials/{provider}: the user's usable credential, for a sibling.
+
+The integration API's hot path, served by a plain Starlette route rather than a FastAPI path
+operation: dependency solving and response-model validation would cost three times the rest of
+the request (docs/adr/0003-hot-path-dispatch.md). What FastAPI would do for it is done here,
+explicitly: `read_user` checks the query, `UsableCredential.document` serialises the answer, and
+`add_operation` puts the route in the app's OpenAPI document.
+
+The order is that of the other /api/v1 routes (`ServiceRoute`): the service secret first (401,
+or 429 for an address past its failed authentications), then the query (422), then provider,
+user and connection.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, TypeVar
+from urllib.parse import unquote_plus
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.models import Operation
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from app.asgi_route import AsgiRoute
+from app.auth.principal import Principal
+from app.direct import ConnectionRecord
+from app.errors import BrokerError
+from app.integration_api import services
+from app.integration_api.broker import CredentialView, UsableCredential, usable_for
+from app.integration_api.problems import (
+    InvalidServiceCredentials,
+    NotConnected,
+    invalid_request,
+    problem_response,
+    problem_responses,
+)
+from app.integration_api.routes import (
+    NO_STORE,
+    check_provider,
+    known_principal,
+    refuse_spent_address,
+    service_secret,
+)
+from app.integration_api.services import Service
+from app.json_message import JsonMessage
+from app.limits import client_key
+from app.middleware import first_header
+from app.runtime import Runtime
+from app.storable import unstorable_reason
+
+T = TypeVar("T")
+PATH = "/api/v1/credentials/{provider}"
+MAX_QUERY_VALUE = 255
+USER_PARAMETERS = {  # the query, each parameter with its OpenAPI description
+    "issuer": "the user's `iss`",
+    "subject": "the user's identity claim (`sub`)",
+}
+DESCRIPTION = "A usable credential (OAuth access tokens are refreshed first when they expire soon)."
+
+
+def read_user(query_string: bytes) -> tuple[str, str]:
+    """(issuer, subject) from the query, decoded as Starlette decodes one; else
+    RequestValidationError with every fault, shaped as FastAPI's (`loc`, `msg`, `type`):
+    exactly the two parameters, once each, each 1-255 characters of storable text."""
+    values: dict[str, list[str]] = {}
+    for field in query_string.decode("latin-1").split("&"):
+        if field:  # `parse_qsl(…, keep_blank_values=True)`, as Starlette reads a query
+            name, _, value = field.partition("=")
+            values.setdefault(_unquoted(name), []).append(_unquoted(value))
+    errors = [
+        _fault(name, "Extra inputs are not permitted", "extra_forbidden")
+        for name in values
+        if name not in USER_PARAMETERS
+    ]
+    for name in USER_PARAMETERS:
+        given = values.get(name, ())
+        if len(given) != 1:
+            errors.append(
+                _fault(name, "Field required", "missing")
+                if not given
+                else _fault(name, "Give this parameter once", "duplicate")
+            )
+        elif not given[0]:
+            errors.append(
+                _fault(name, "String should have at least 1 character", "string_too_short")
+            )
+        elif len(given[0]) > MAX_QUERY_VALUE:
+            message = f"String should have at most {MAX_QUERY_VALUE} characters"
+            errors.append(_fault(name, message, "string_too_long"))
+        elif reason := unstorable_reason(given[0]):
+            errors.append(
+                _fault(name, f"Value error, the value must not hold {reason}", "value_error")
+            )
+    if errors:
+        raise RequestValidationError(errors)
+    return values["issuer"][0], values["subject"][0]
+
+
+def _unquoted(text: str) -> str:
+    """`unquote_plus`, skipped for text it would not change; the issuer (the same URL on nearly
+    every request, always escaped) comes from a small cache, which holds nothing longer than an
+    accepted value could be escaped."""
+    if "%" not in text and "+" not in text:
+        return text
+    return _cached_unquote(text) if len(text) <= MAX_QUERY_VALUE * 3 else unquote_plus(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_unquote(text: str) -> str:
+    return unquote_plus(text)
+
+
+def _fault(name: str, message: str, kind: str) -> dict[str, Any]:
+    return {"loc": ("query", name), "msg": message, "type": kind}
+
+
+class CredentialFetch:
+    """The route's ASGI endpoint."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "GET":  # answered as the router answers one (not even HEAD)
+            raise HTTPException(status_code=405, headers={"Allow": "GET"})
+        try:
+            response = await _fetch(scope["app"].state.runtime, scope)
+        except RequestValidationError as exc:
+            response = invalid_request(Request(scope, receive), exc)
+        except BrokerError as exc:  # 401 and 429 carry their headers (`problem_response`)
+            response = problem_response(Request(scope, receive), exc)
+        await response(scope, receive, send)
+
+
+async def _fetch(runtime: Runtime, scope: Scope) -> Response:
+    """The answer; database errors and bugs go to the app's handlers, as on any route."""
+    scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
+    if scheme.lower() != "bearer" or not secret:
+        raise InvalidServiceCredentials()
+    address = client_key(scope.get("client"))
+    refuse_spent_address(runtime, address, secret)
+    try:
+        issuer, subject = read_user(scope["query_string"])
+    except RequestValidationError:  # only the secret's holder learns what the query lacks
+        service = await services.authenticate(
+            runtime.direct, keys=runtime.signing_keys, secret=secret
+        )
+        _verified(runtime, address, secret, service)
+        raise
+    provider: str = scope["path_params"]["provider"]
+    found = await services.authenticate_with_own_connection(
+        runtime.direct,
+        keys=runtime.signing_keys,
+        secret=secret,
+        principal=Principal(issuer, subject),
+        provider=provider,
+    )
+    service, own = _verified(runtime, address, secret, found)
+    usable = await credential_for(runtime, service, provider, issuer, subject, own)
+    return JsonMessage(usable.document(), 200, NO_STORE)
+
+
+def _verified(runtime: Runtime, address: str, secret: str, found: T | None) -> T:
+    """What the secret's lookup found; a secret that found nothing counts against `address`."""
+    if found is None:
+        runtime.note_failed_authentication(address)
+        raise InvalidServiceCredentials()
+    runtime.limits.remember_secret(secret)
+    return found
+
+
+async def credential_for(
+    runtime: Runtime,
+    service: Service,
+    provider: str,
+    issuer: str,
+    subject: str,
+    own: ConnectionRecord | None,
+) -> UsableCredential:
+    """The credential `service` may use, given its own connection for the user and provider
+    (`own`, read with the service)."""
+    check_provider(runtime, service, provider)
+    principal = known_principal(runtime, issuer, subject)
+    found = await usable_for(
+        runtime, service, provider, principal, known={(provider, service.name): own}
+    )
+    if found is None:
+        raise NotConnected()
+    return found
+
+
+def route() -> AsgiRoute:
+    """Every method comes to the endpoint: a GET route of Starlette's would also take HEAD."""
+    return AsgiRoute(PATH, CredentialFetch())
+
+
+def add_operation(openapi: dict[str, Any]) -> None:
+    """The route in the app's OpenAPI document, described as FastAPI describes the other
+    /api/v1 operations."""
+    parameters: list[dict[str, Any]] = [
+        {
+            "in": "path",
+            "name": "provider",
+            "required": True,
+            "schema": {"title": "Provider", "type": "string"},
+        },
+    ]
+    for name, description in USER_PARAMETERS.items():
+        schema = {
+            "description": description,
+            "maxLength": MAX_QUERY_VALUE,
+            "minLength": 1,
+            "title": name.title(),
+            "type": "string",
+        }
+        parameters.append(
+            {
+                "description": description,
+                "in": "query",
+                "name": name,
+                "required": True,
+                "schema": schema,
+            }
+        )
+    success = {"application/json": {"schema": {"$ref": "#/components/schemas/CredentialView"}}}
+    problems = problem_responses(400, 401, 403, 404, 422, 429)
+    operation = {
+        "tags": ["integration"],
+        "summary": "Credential",
+        "description": DESCRIPTION,
+        "operationId": "credential_api_v1_credentials__provider__get",
+        "security": [{service_secret.scheme_name: []}],
+        "parameters": parameters,
+        "responses": {
+            "200": {"description": "Successful Response", "content": success},
+            **{str(status): answer for status, answer in problems.items()},
+        },
+    }
+    # checked as FastAPI checks its own operations, and dumped the same way (no nulls)
+    checked = Operation.model_validate(operation)
+    openapi["paths"][PATH] = {
+        "get": checked.model_dump(by_alias=True, exclude_none=True, mode="json")
+    }
+    components = openapi.setdefault("components", {})
+    components.setdefault("securitySchemes", {}).setdefault(
+        service_secret.scheme_name,
+        service_secret.model.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    )
+    components.setdefault("schemas", {}).setdefault(
+        "CredentialView",
+        CredentialView.model_json_schema(ref_template="#/components/schemas/{model}"),
+    )
