@@ -22,7 +22,6 @@ from app.connect.revocations import Revoker
 from app.crypto import Keys
 from app.db import get_session
 from app.limits import RateLimits
-from app.runtime import Runtime
 from app.security_log import SecurityLog
 
 
@@ -110,11 +109,3 @@ async def get_browser_user(
 
 
 BrowserUserDep = Annotated[BrowserUser | None, Depends(get_browser_user)]
-
-
-async def get_runtime(request: Request) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
-
-
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]

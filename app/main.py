@@ -1,16 +1,19 @@
-"""Application factory: builds the runtime, wires middleware, routes and error handlers."""
+"""Application factory: builds the shared parts, wires middleware, routes and error handlers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -33,7 +36,8 @@ from app.connect.request_state import RequestStateCodec
 from app.connect.revocations import Revoker
 from app.crypto import Keys
 from app.db import create_engine, create_sessionmaker, is_sqlite
-from app.direct import open_direct_store
+from app.deps import SettingsDep
+from app.direct import DirectStore, open_direct_store
 from app.errors import (
     DATABASE_ERRORS,
     LOGGED_ERROR_KEY,
@@ -46,11 +50,14 @@ from app.errors import (
 )
 from app.integration_api import credential_route
 from app.integration_api import routes as integration_routes
+from app.integration_api.broker import ConnectApi
+from app.integration_api.routes import ServiceSecrets
 from app.limits import RateLimits
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import McpEndpoint
 from app.mcp.provider_tools import register_provider_tools
 from app.mcp.registry import ToolRegistry
+from app.mcp.server import SERVER_VERSION, McpServer
 from app.metrics import BrokerMetrics
 from app.middleware import AccessLog, BodyLimit, HostGuard
 from app.operations import ANY_HOST_PATHS, add_operations_routes
@@ -58,7 +65,6 @@ from app.pages import connect as connect_pages
 from app.pages import login
 from app.pages import oauth as oauth_pages
 from app.resources import resource_dir
-from app.runtime import Runtime
 from app.security_log import SecurityLog
 from app.templating import render
 
@@ -68,7 +74,34 @@ ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the databa
 HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due revocations retried
 
 
-def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
+@dataclass(frozen=True)
+class Shared:
+    """Everything one broker process shares, built once. Only this module sees it whole:
+    `create_app` puts each part on `app.state` under its own name, where the routes'
+    dependencies (app/deps.py) and the hot endpoints find the part they use."""
+
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    store: DirectStore  # the hot-path statements, straight through the driver
+    keys: Keys
+    identity_issuer: JwksCache
+    browser_sessions: BrowserSessions
+    notifier: FlowNotifier
+    http: httpx2.AsyncClient
+    limits: RateLimits
+    metrics: BrokerMetrics
+    security: SecurityLog
+    provider_issuers: ProviderIssuers
+    oauth_grants: OAuthGrants
+    revoker: Revoker
+    credentials: UsableCredentials
+    mcp_server: McpServer
+    connect_api: ConnectApi
+    service_secrets: ServiceSecrets
+
+
+def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
     """Everything the process shares; nothing here does I/O yet."""
     keys = Keys.parse(
         tuple(k.get_secret_value() for k in settings.keys.signing),
@@ -85,7 +118,7 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         limits=httpx2.Limits(max_connections=50, max_keepalive_connections=10),
         trust_env=False,
     )
-    issuer = JwksCache(settings.identity.issuer, http=http)
+    identity_issuer = JwksCache(settings.identity.issuer, http=http)
     provider_issuers = ProviderIssuers(http)
     notifier: FlowNotifier = (
         FlowNotifier(poll_interval=0.25)
@@ -103,6 +136,13 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         notifier=notifier,
         security=security,
     )
+    revoker = Revoker(
+        providers=settings.providers,
+        http=http,
+        sealing=keys.sealing,
+        sessionmaker=sessionmaker,
+        security=security,
+    )
     credentials = UsableCredentials(
         store=store,
         sessionmaker=sessionmaker,
@@ -113,72 +153,57 @@ def build_runtime(settings: Settings, registry: ToolRegistry) -> Runtime:
         call_slots=asyncio.Semaphore(settings.database.pool_size),
         security=security,
     )
-    return Runtime(
+    rounds = RoundContext(settings, store, sessionmaker, notifier, credentials)
+    codec = RequestStateCodec(keys.signing, max_age=settings.server.flow_ttl_seconds)
+    register_broker_tools(registry, settings.providers, sessionmaker, revoker)
+    register_provider_tools(registry, settings.providers, http)
+    return Shared(
         settings=settings,
         engine=engine,
         sessionmaker=sessionmaker,
-        direct=store,
-        signing_keys=keys.signing,
-        sealing_keys=keys.sealing,
+        store=store,
         keys=keys,
-        issuer=issuer,
-        verifier=TokenVerifier(
-            issuer=settings.identity.issuer,
-            audience=settings.audience,
-            identity_claim=settings.identity.identity_claim,
-            algorithms=settings.identity.algorithms,
-            jwks=issuer,
-        ),
+        identity_issuer=identity_issuer,
         browser_sessions=BrowserSessions(
             keys.signing,
             ttl_seconds=settings.server.session_ttl_seconds,
             max_auth_age_seconds=settings.server.login_max_age_seconds,
         ),
-        codec=RequestStateCodec(keys.signing, max_age=settings.server.flow_ttl_seconds),
-        registry=registry,
         notifier=notifier,
         http=http,
-        allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
         limits=limits,
         metrics=metrics,
         security=security,
         provider_issuers=provider_issuers,
-        grants=grants,
-        revoker=Revoker(
-            providers=settings.providers,
-            http=http,
-            sealing=keys.sealing,
-            sessionmaker=sessionmaker,
-            security=security,
-        ),
+        oauth_grants=grants,
+        revoker=revoker,
         credentials=credentials,
-        round_context=RoundContext(settings, store, sessionmaker, notifier, credentials),
+        mcp_server=McpServer(
+            settings=settings,
+            verifier=TokenVerifier(
+                issuer=settings.identity.issuer,
+                audience=settings.audience,
+                identity_claim=settings.identity.identity_claim,
+                algorithms=settings.identity.algorithms,
+                jwks=identity_issuer,
+            ),
+            security=security,
+            limits=limits,
+            metrics=metrics,
+            registry=registry,
+            codec=codec,
+            rounds=rounds,
+            allowed_origins=frozenset((settings.public_origin, *settings.server.allowed_origins)),
+        ),
+        connect_api=ConnectApi(rounds, codec),
+        service_secrets=ServiceSecrets(store, keys.signing, security, limits),
     )
 
 
-def share(app: FastAPI, runtime: Runtime) -> None:
-    """Put each shared object on `app.state` under its own name (app/deps.py reads them)."""
-    state = app.state
-    state.settings = runtime.settings
-    state.engine = runtime.engine
-    state.sessionmaker = runtime.sessionmaker
-    state.store = runtime.direct
-    state.keys = runtime.keys
-    state.identity_issuer = runtime.issuer
-    state.verifier = runtime.verifier
-    state.browser_sessions = runtime.browser_sessions
-    state.codec = runtime.codec
-    state.registry = runtime.registry
-    state.notifier = runtime.notifier
-    state.http = runtime.http
-    state.limits = runtime.limits
-    state.metrics = runtime.metrics
-    state.security = runtime.security
-    state.provider_issuers = runtime.provider_issuers
-    state.oauth_grants = runtime.grants
-    state.revoker = runtime.revoker
-    state.credentials = runtime.credentials
-    state.round_context = runtime.round_context
+def share(app: FastAPI, shared: Shared) -> None:
+    """Put each shared part on `app.state` under its own name."""
+    for part in dataclasses.fields(shared):
+        setattr(app.state, part.name, getattr(shared, part.name))
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
@@ -245,34 +270,32 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app. `registry` may carry extra tools; `dev_idp` is passed only by `dev`."""
     registry = registry if registry is not None else ToolRegistry()
-    runtime = build_runtime(settings, registry)
-    register_broker_tools(registry, settings.providers, runtime.sessionmaker, runtime.revoker)
-    register_provider_tools(registry, settings.providers, runtime.http)
+    shared = build_shared(settings, registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await runtime.notifier.start()
+        await shared.notifier.start()
         settle_for_serving()
-        housekeeping = asyncio.create_task(_housekeeping_forever(runtime))
+        housekeeping = asyncio.create_task(_housekeeping_forever(shared))
         try:
             yield
         finally:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
-            await runtime.notifier.stop()
-            await runtime.http.aclose()
-            answered = await runtime.direct.close()
+            await shared.notifier.stop()
+            await shared.http.aclose()
+            answered = await shared.store.close()
             if not answered:
                 logger.warning("shutdown.database_unresponsive connections=dropped")
             # dropped, not closed, when the database did not answer: a polite close would hang
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ENGINE_CLOSE_TIMEOUT_SECONDS):
-                    await runtime.engine.dispose(close=answered)
+                    await shared.engine.dispose(close=answered)
 
     app = BrokerApp(
         title="Connect Broker",
-        version=runtime.server_info["version"],
+        version=SERVER_VERSION,
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
@@ -283,8 +306,7 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.router.routes[:0] = _hot_routes()
-    app.state.runtime = runtime
-    share(app, runtime)
+    share(app, shared)
     app.state.development = dev_idp is not None  # every page then shows the development banner
     for path in (
         "/.well-known/oauth-protected-resource",
@@ -313,29 +335,28 @@ def create_app(
         own_limit_paths=frozenset({MCP_PATH}),
     )
     app.add_middleware(HostGuard, allowed_hosts=hosts, any_host_paths=ANY_HOST_PATHS)
-    app.add_middleware(AccessLog, metrics=runtime.metrics)
+    app.add_middleware(AccessLog, metrics=shared.metrics)
     return app
 
 
-async def _housekeeping_forever(runtime: Runtime) -> None:
+async def _housekeeping_forever(shared: Shared) -> None:
     while True:
         try:
-            expired, deleted = await flows.purge(runtime.sessionmaker)
-            async with runtime.sessionmaker.begin() as session:
-                await runtime.browser_sessions.purge(session)
+            expired, deleted = await flows.purge(shared.sessionmaker)
+            async with shared.sessionmaker.begin() as session:
+                await shared.browser_sessions.purge(session)
             if expired or deleted:
                 logger.info("flows.purged expired=%d deleted=%d", expired, deleted)
         except DATABASE_ERRORS as exc:
             logger.warning("flows.purge_failed error=%s", type(exc).__name__)
         try:
-            await runtime.revoker.sweep()
+            await shared.revoker.sweep()
         except DATABASE_ERRORS as exc:
             logger.warning("revocation.sweep_failed error=%s", type(exc).__name__)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 
-async def _resource_metadata(request: Request) -> Response:
-    settings: Settings = request.app.state.runtime.settings
+async def _resource_metadata(settings: SettingsDep) -> Response:
     document: dict[str, object] = {
         "resource": settings.audience,
         "authorization_servers": [settings.identity.issuer],
@@ -347,10 +368,9 @@ async def _resource_metadata(request: Request) -> Response:
     return JSONResponse(document, headers={"Cache-Control": "public, max-age=3600"})
 
 
-async def _landing(request: Request) -> Response:
+async def _landing(request: Request, settings: SettingsDep) -> Response:
     """What this service is, for someone who opens its address in a browser."""
-    runtime: Runtime = request.app.state.runtime
-    return render(request, "landing.html", docs_url=runtime.settings.server.docs_url)
+    return render(request, "landing.html", docs_url=settings.server.docs_url)
 
 
 async def _stylesheet() -> Response:

@@ -71,7 +71,8 @@ part() {  # part NAME COMMAND...: run in the background, output to $logs/NAME.lo
 
 lint() {
   ruff check . && ruff format --check . &&
-    mypy --strict app connect_broker_client tests bench examples migrations
+    mypy --strict app connect_broker_client tests bench examples migrations &&
+    lint-imports
 }
 
 pids=()

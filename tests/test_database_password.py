@@ -96,6 +96,6 @@ def test_the_broker_and_migrate_connect_with_the_merged_password(
     (tmp_path / "broker.toml").write_text("")
     code = cli.main(["--config", str(tmp_path / "broker.toml"), "migrate"])
 
-    assert app.state.runtime.engine.url.password == PASSWORD
+    assert app.state.engine.url.password == PASSWORD
     assert code == 0
     assert [make_url(url).password for url in migrated] == [PASSWORD]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.auth.principal import McpCaller, Principal
+from app.config import Settings
 from app.connect import service as flows
 from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
@@ -76,9 +77,9 @@ class Held:
     granted: frozenset[str] = field(default_factory=frozenset)
 
 
-def service_audiences(context: RoundContext, service: str) -> tuple[str, ...]:
+def service_audiences(settings: Settings, service: str) -> tuple[str, ...]:
     """The audiences a service reads: its own, then those its `share_from` names."""
-    shared = context.settings.services.get(service)
+    shared = settings.services.get(service)
     return (service, *(shared.share_from if shared else ()))
 
 

@@ -16,8 +16,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth.principal import McpCaller, Principal
+from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
-from app.connect.request_state import StateRejected
+from app.connect.request_state import RequestStateCodec, StateRejected
 from app.connect.require import (
     URL_ELICITATION,
     Elicitation,
@@ -35,10 +36,18 @@ from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.models import FlowStatus
 from app.providers.settings import SCOPE_PATTERN, OAuthProviderSettings
-from app.runtime import Runtime
 from app.storable import StorableText
 
 METHOD = "api/connections.require"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectApi:
+    """What the integration API's connect endpoints use: the connect round, and the codec of the
+    requestState its answers carry."""
+
+    rounds: RoundContext
+    codec: RequestStateCodec
 
 
 class InvalidRequestState(BrokerError):
@@ -177,13 +186,13 @@ class Disconnection(BaseModel):
     )
 
 
-def _usable(runtime: Runtime, credential: Credential) -> UsableCredential:
-    oauth = isinstance(runtime.settings.providers[credential.provider], OAuthProviderSettings)
+def _usable(api: ConnectApi, credential: Credential) -> UsableCredential:
+    oauth = isinstance(api.rounds.settings.providers[credential.provider], OAuthProviderSettings)
     return UsableCredential("oauth2" if oauth else "api_key", credential)
 
 
 async def usable_for(
-    runtime: Runtime,
+    api: ConnectApi,
     service: Service,
     provider: str,
     principal: Principal,
@@ -193,13 +202,13 @@ async def usable_for(
     """The first usable credential among the audiences the service reads, its own first.
     `known`: connection rows of this user already read, used instead of reading them again."""
     found = await first_usable(
-        runtime.round_context,
+        api.rounds,
         principal,
         provider,
-        service_audiences(runtime.round_context, service.name),
+        service_audiences(api.rounds.settings, service.name),
         known=known,
     )
-    return _usable(runtime, found) if found is not None else None
+    return _usable(api, found) if found is not None else None
 
 
 def _caller(service: Service, principal: Principal) -> McpCaller:
@@ -211,10 +220,10 @@ def _binding(provider: str, body: RequireRequest) -> str:
 
 
 def _elicit(
-    runtime: Runtime, service: Service, asked: Elicitation, body: RequireRequest
+    api: ConnectApi, service: Service, asked: Elicitation, body: RequireRequest
 ) -> ConnectOutcome:
     flow = asked.flow
-    state = runtime.codec.issue(
+    state = api.codec.issue(
         _caller(service, flow.principal),
         method=METHOD,
         name=flow.provider,
@@ -228,16 +237,16 @@ def _elicit(
 
 
 def _ask(
-    runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
+    api: ConnectApi, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> RoundAsk:
     """The service's request: its audiences, the flow named after it (and the client)."""
-    name = runtime.settings.service_display_name(service.name)
+    name = api.rounds.settings.service_display_name(service.name)
     client = f"{name} (via {display_text(body.client_name)})" if body.client_name else name
     return RoundAsk(
         caller=_caller(service, principal),
         provider=provider,
         scopes=tuple(body.scopes),
-        audiences=service_audiences(runtime.round_context, service.name),
+        audiences=service_audiences(api.rounds.settings, service.name),
         capabilities=body.client_capabilities,
         client_name=client,
         tool_name=METHOD,
@@ -246,28 +255,26 @@ def _ask(
 
 
 def _answer(
-    runtime: Runtime, service: Service, outcome: RequireOutcome, body: RequireRequest
+    api: ConnectApi, service: Service, outcome: RequireOutcome, body: RequireRequest
 ) -> ConnectOutcome:
     if outcome.connected is not None:
-        return ConnectOutcome(
-            status="connected", credential=_usable(runtime, outcome.connected).view()
-        )
+        return ConnectOutcome(status="connected", credential=_usable(api, outcome.connected).view())
     if outcome.elicit is not None:
-        return _elicit(runtime, service, outcome.elicit, body)
+        return _elicit(api, service, outcome.elicit, body)
     if outcome.needs_url_capability:
         return ConnectOutcome(status="missing_capability", required_capabilities=URL_ELICITATION)
     return ConnectOutcome(status="failed", message=outcome.too_many_open_flows)
 
 
 async def require_connection(
-    runtime: Runtime, service: Service, provider: str, principal: Principal, body: RequireRequest
+    api: ConnectApi, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> ConnectOutcome:
-    ask = _ask(runtime, service, provider, principal, body)
-    return _answer(runtime, service, await require_round(runtime.round_context, ask), body)
+    ask = _ask(api, service, provider, principal, body)
+    return _answer(api, service, await require_round(api.rounds, ask), body)
 
 
 async def resume_connection(
-    runtime: Runtime, service: Service, provider: str, principal: Principal, body: ResumeRequest
+    api: ConnectApi, service: Service, provider: str, principal: Principal, body: ResumeRequest
 ) -> ConnectOutcome:
     """The outcome of the client's retry.
 
@@ -276,7 +283,7 @@ async def resume_connection(
         InvalidInputResponse: an action other than accept/decline/cancel.
     """
     try:
-        payload = runtime.codec.verify(
+        payload = api.codec.verify(
             body.request_state,
             _caller(service, principal),
             method=METHOD,
@@ -291,18 +298,16 @@ async def resume_connection(
     if action is not None and action not in ACTIONS:
         raise InvalidInputResponse()
     outcome = await resume_round(
-        runtime.round_context, flow_id=payload.flow_id, principal=principal, action=action
+        api.rounds, flow_id=payload.flow_id, principal=principal, action=action
     )
     if outcome.done is not None:
         read = outcome.done
         known = {(read.flow.provider, read.flow.audience): read.connection}
-        ask = _ask(runtime, service, provider, principal, body)
-        again = await require_round(
-            runtime.round_context, ask, known=known
-        )  # as `/mcp` runs the tool again
+        ask = _ask(api, service, provider, principal, body)
+        again = await require_round(api.rounds, ask, known=known)  # as `/mcp` runs the tool again
         if again.connected is not None:
-            await mark_delivered(runtime.round_context, read)
-        return _answer(runtime, service, again, body)
+            await mark_delivered(api.rounds, read)
+        return _answer(api, service, again, body)
     if outcome.open is not None:
-        return _elicit(runtime, service, elicitation(runtime.round_context, outcome.open), body)
+        return _elicit(api, service, elicitation(api.rounds, outcome.open), body)
     return ConnectOutcome(status=outcome.ended or FlowStatus.expired)

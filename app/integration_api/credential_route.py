@@ -20,6 +20,7 @@ from urllib.parse import unquote_plus
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.models import Operation
 from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,10 +28,11 @@ from starlette.types import Receive, Scope, Send
 
 from app.asgi_route import AsgiRoute
 from app.auth.principal import Principal
+from app.config import Settings
 from app.direct import ConnectionRecord
 from app.errors import BrokerError
 from app.integration_api import services
-from app.integration_api.broker import CredentialView, UsableCredential, usable_for
+from app.integration_api.broker import ConnectApi, CredentialView, UsableCredential, usable_for
 from app.integration_api.problems import (
     InvalidServiceCredentials,
     NotConnected,
@@ -40,16 +42,15 @@ from app.integration_api.problems import (
 )
 from app.integration_api.routes import (
     NO_STORE,
+    ServiceSecrets,
     check_provider,
     known_principal,
-    refuse_spent_address,
     service_secret,
 )
 from app.integration_api.services import Service
 from app.json_message import JsonMessage
 from app.limits import client_key
 from app.middleware import first_header
-from app.runtime import Runtime
 from app.storable import unstorable_reason
 
 T = TypeVar("T")
@@ -125,7 +126,7 @@ class CredentialFetch:
         if scope["method"] != "GET":  # answered as the router answers one (not even HEAD)
             raise HTTPException(status_code=405, headers={"Allow": "GET"})
         try:
-            response = await _fetch(scope["app"].state.runtime, scope)
+            response = await _fetch(scope["app"].state, scope)
         except RequestValidationError as exc:
             response = invalid_request(Request(scope, receive), exc)
         except BrokerError as exc:  # 401 and 429 carry their headers (`problem_response`)
@@ -133,45 +134,38 @@ class CredentialFetch:
         await response(scope, receive, send)
 
 
-async def _fetch(runtime: Runtime, scope: Scope) -> Response:
+async def _fetch(state: State, scope: Scope) -> Response:
     """The answer; database errors and bugs go to the app's handlers, as on any route."""
+    secrets: ServiceSecrets = state.service_secrets
     scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
     if scheme.lower() != "bearer" or not secret:
         raise InvalidServiceCredentials()
     address = client_key(scope.get("client"))
-    refuse_spent_address(runtime, address, secret)
+    secrets.refuse_spent_address(address, secret)
     try:
         issuer, subject = read_user(scope["query_string"])
     except RequestValidationError:  # only the secret's holder learns what the query lacks
-        service = await services.authenticate(
-            runtime.direct, keys=runtime.signing_keys, secret=secret
-        )
-        _verified(runtime, address, secret, service)
+        service = await services.authenticate(secrets.store, keys=secrets.signing, secret=secret)
+        secrets.verified(address, secret, service)
         raise
     provider: str = scope["path_params"]["provider"]
     found = await services.authenticate_with_own_connection(
-        runtime.direct,
-        keys=runtime.signing_keys,
+        secrets.store,
+        keys=secrets.signing,
         secret=secret,
         principal=Principal(issuer, subject),
         provider=provider,
     )
-    service, own = _verified(runtime, address, secret, found)
-    usable = await credential_for(runtime, service, provider, issuer, subject, own)
+    service, own = secrets.verified(address, secret, found)
+    usable = await credential_for(
+        state.settings, state.connect_api, service, provider, issuer, subject, own
+    )
     return JsonMessage(usable.document(), 200, NO_STORE)
 
 
-def _verified(runtime: Runtime, address: str, secret: str, found: T | None) -> T:
-    """What the secret's lookup found; a secret that found nothing counts against `address`."""
-    if found is None:
-        runtime.note_failed_authentication(address)
-        raise InvalidServiceCredentials()
-    runtime.limits.remember_secret(secret)
-    return found
-
-
 async def credential_for(
-    runtime: Runtime,
+    settings: Settings,
+    api: ConnectApi,
     service: Service,
     provider: str,
     issuer: str,
@@ -180,10 +174,10 @@ async def credential_for(
 ) -> UsableCredential:
     """The credential `service` may use, given its own connection for the user and provider
     (`own`, read with the service)."""
-    check_provider(runtime, service, provider)
-    principal = known_principal(runtime, issuer, subject)
+    check_provider(settings, service, provider)
+    principal = known_principal(settings, issuer, subject)
     found = await usable_for(
-        runtime, service, provider, principal, known={(provider, service.name): own}
+        api, service, provider, principal, known={(provider, service.name): own}
     )
     if found is None:
         raise NotConnected()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -23,11 +24,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import credentials
 from app.auth.principal import Principal
+from app.config import Settings
 from app.connect import disconnect as disconnection
 from app.connect.require import service_audiences
-from app.deps import RuntimeDep, SessionDep
+from app.crypto import Keyring
+from app.deps import RevokerDep, SessionDep, SettingsDep
+from app.direct import DirectStore
 from app.integration_api import services
 from app.integration_api.broker import (
+    ConnectApi,
     ConnectionItem,
     ConnectionList,
     ConnectOutcome,
@@ -51,8 +56,8 @@ from app.integration_api.problems import (
 )
 from app.integration_api.services import Service
 from app.jsonbytes import may_hold_unusable_text, unusable_text
-from app.limits import client_key
-from app.runtime import Runtime
+from app.limits import RateLimits, client_key
+from app.security_log import SecurityLog
 from app.storable import StorableText
 
 service_secret = HTTPBearer(
@@ -105,6 +110,7 @@ def _unusable_body_text(body: bytes) -> str | None:
     return unusable_text(document)
 
 
+T = TypeVar("T")
 router = APIRouter(
     prefix="/api/v1",
     tags=["integration"],
@@ -130,47 +136,70 @@ async def calling_service(
     return service
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceSecrets:
+    """What checking a sibling's service secret uses."""
+
+    store: DirectStore  # services looked up by the digest of their secret
+    signing: Keyring  # that digest's key
+    security: SecurityLog  # wrong secrets, counted per address
+    limits: RateLimits  # secrets verified before, let through a spent address
+
+    def refuse_spent_address(self, address: str, secret: str) -> None:
+        """429 for an address that has spent its budget of failed authentications: its secret
+        is not looked up, unless this process has verified that secret before
+        (app/limits.py)."""
+        wait = self.security.failed_auth_wait(address, secret)
+        if wait:
+            raise TooManyFailedAuthentications(wait)
+
+    def verified(self, address: str, secret: str, found: T | None) -> T:
+        """What the secret's lookup found; a secret that found nothing counts against
+        `address`."""
+        if found is None:
+            self.security.note_failed_authentication(address)
+            raise InvalidServiceCredentials()
+        self.limits.remember_secret(secret)
+        return found
+
+
 async def _authenticate(request: Request) -> Service:
     """The sibling presenting the secret (looked up through the direct store, holding no
     session)."""
-    runtime: Runtime = request.app.state.runtime
+    secrets: ServiceSecrets = request.app.state.service_secrets
     presented = await service_secret(request)
     if presented is None:
         raise InvalidServiceCredentials()
     address = client_key(request.scope.get("client"))
-    refuse_spent_address(runtime, address, presented.credentials)
+    secrets.refuse_spent_address(address, presented.credentials)
     service = await services.authenticate(
-        runtime.direct, keys=runtime.signing_keys, secret=presented.credentials
+        secrets.store, keys=secrets.signing, secret=presented.credentials
     )
-    if service is None:
-        runtime.note_failed_authentication(address)
-        raise InvalidServiceCredentials()
-    runtime.limits.remember_secret(presented.credentials)
-    return service
-
-
-def refuse_spent_address(runtime: Runtime, address: str, secret: str) -> None:
-    """429 for an address that has spent its budget of failed authentications: its secret is
-    not looked up, unless this process has verified that secret before (app/limits.py)."""
-    wait = runtime.failed_auth_wait(address, secret)
-    if wait:
-        raise TooManyFailedAuthentications(wait)
+    return secrets.verified(address, presented.credentials, service)
 
 
 CallingService = Annotated[Service, Depends(calling_service)]
 
 
-def check_provider(runtime: Runtime, service: Service, name: str) -> None:
+async def connect_api(request: Request) -> ConnectApi:
+    api: ConnectApi = request.app.state.connect_api
+    return api
+
+
+ConnectApiDep = Annotated[ConnectApi, Depends(connect_api)]
+
+
+def check_provider(settings: Settings, service: Service, name: str) -> None:
     """404 for a provider not configured, 403 for one the service is not registered for."""
-    if name not in runtime.settings.providers:
+    if name not in settings.providers:
         raise UnknownProvider()
     if not service.may_use(name):
         raise ProviderNotAllowed()
 
 
-def known_principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
+def known_principal(settings: Settings, issuer: str, subject: str) -> Principal:
     """The user, if of the identity provider this broker trusts (else 400)."""
-    if issuer != runtime.settings.identity.issuer or not subject or len(subject) > 255:
+    if issuer != settings.identity.issuer or not subject or len(subject) > 255:
         raise UnknownIssuer()
     return Principal(issuer, subject)
 
@@ -184,16 +213,15 @@ def known_principal(runtime: Runtime, issuer: str, subject: str) -> Principal:
 async def require(
     provider: str,
     body: RequireRequest,
-    runtime: RuntimeDep,
+    settings: SettingsDep,
+    api: ConnectApiDep,
     service: CallingService,
     response: Response,
 ) -> ConnectOutcome:
     """The user's credential, or the input-required payload to return to the MCP client."""
-    check_provider(runtime, service, provider)
-    principal = known_principal(runtime, body.user.issuer, body.user.subject)
-    return _not_stored(
-        response, await require_connection(runtime, service, provider, principal, body)
-    )
+    check_provider(settings, service, provider)
+    principal = known_principal(settings, body.user.issuer, body.user.subject)
+    return _not_stored(response, await require_connection(api, service, provider, principal, body))
 
 
 @router.post(
@@ -205,16 +233,15 @@ async def require(
 async def resume(
     provider: str,
     body: ResumeRequest,
-    runtime: RuntimeDep,
+    settings: SettingsDep,
+    api: ConnectApiDep,
     service: CallingService,
     response: Response,
 ) -> ConnectOutcome:
     """On the client's retry: the echoed requestState and the client's inputResponses entry."""
-    check_provider(runtime, service, provider)
-    principal = known_principal(runtime, body.user.issuer, body.user.subject)
-    return _not_stored(
-        response, await resume_connection(runtime, service, provider, principal, body)
-    )
+    check_provider(settings, service, provider)
+    principal = known_principal(settings, body.user.issuer, body.user.subject)
+    return _not_stored(response, await resume_connection(api, service, provider, principal, body))
 
 
 def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
@@ -226,16 +253,16 @@ def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
 
 @router.get("/connections", responses=problem_responses(400))
 async def list_connections(
-    runtime: RuntimeDep,
+    settings: SettingsDep,
     session: SessionDep,
     service: CallingService,
     issuer: UserIssuer,
     subject: UserSubject,
 ) -> ConnectionList:
     """The user's connections this service can read: its own and those it shares from."""
-    principal = known_principal(runtime, issuer, subject)
+    principal = known_principal(settings, issuer, subject)
     items = []
-    for audience in service_audiences(runtime.round_context, service.name):
+    for audience in service_audiences(settings, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
             if service.may_use(row.provider):
                 items.append(
@@ -253,18 +280,19 @@ async def list_connections(
 @router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404))
 async def delete_connection(
     provider: str,
-    runtime: RuntimeDep,
+    settings: SettingsDep,
+    revoker: RevokerDep,
     session: SessionDep,
     service: CallingService,
     issuer: UserIssuer,
     subject: UserSubject,
 ) -> Disconnection:
     """Revoke upstream (where supported) and delete the service's own connection."""
-    check_provider(runtime, service, provider)
+    check_provider(settings, service, provider)
     outcome = await disconnection.disconnect(
         session,
-        runtime.revoker,
-        principal=known_principal(runtime, issuer, subject),
+        revoker,
+        principal=known_principal(settings, issuer, subject),
         provider=provider,
         audience=service.name,
     )

@@ -39,8 +39,8 @@ from app.mcp.registry import (
     ToolOutcome,
     ToolResult,
 )
+from app.mcp.server import McpServer
 from app.models import BROKER_AUDIENCE, FlowStatus
-from app.runtime import Runtime
 
 CAPABILITY_FOR_METHOD = {
     "elicitation/create": "elicitation",
@@ -83,18 +83,18 @@ class CallToolRound:
 
     def __init__(
         self,
-        runtime: Runtime,
+        server: McpServer,
         caller: McpCaller,
         message: Message,
         progress: ProgressReporter | None = None,
     ) -> None:
-        self.runtime = runtime
+        self.server = server
         self.caller = caller
         self.message = message
         self.progress = progress
         params = message.params
         name = params.get("name")
-        tool = runtime.registry.get(name) if isinstance(name, str) else None
+        tool = server.registry.get(name) if isinstance(name, str) else None
         if tool is None:
             raise invalid_params(f"Unknown tool: {name!s:.128}")
         self.tool: Tool = tool
@@ -116,7 +116,7 @@ class CallToolRound:
         state: StatePayload | None = None
         if "requestState" in self.message.params:
             try:
-                state = self.runtime.codec.verify(
+                state = self.server.codec.verify(
                     self.message.params["requestState"],
                     self.caller,
                     method="tools/call",
@@ -143,7 +143,7 @@ class CallToolRound:
             capabilities=self.message.capabilities,
             input_responses=self.input_responses,
             state=state.data if state is not None and state.flow_id is None else None,
-            connections=BrokerConnections(self.runtime.round_context, self.caller, known=known),
+            connections=BrokerConnections(self.server.rounds, self.caller, known=known),
             progress=self.progress,
         )
         try:
@@ -151,7 +151,7 @@ class CallToolRound:
         except ConnectionRequired as need:
             return await self._start_flow(need)
         if finished_flow is not None and isinstance(outcome, ToolResult):
-            await mark_delivered(self.runtime.round_context, finished_flow)
+            await mark_delivered(self.server.rounds, finished_flow)
         return self._shape(outcome)
 
     def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
@@ -184,7 +184,7 @@ class CallToolRound:
         flow_id: str | None = None,
         input_key: str | None = None,
     ) -> dict[str, Any]:
-        state = self.runtime.codec.issue(
+        state = self.server.codec.issue(
             self.caller,
             method="tools/call",
             name=self.tool.name,
@@ -197,7 +197,7 @@ class CallToolRound:
 
     async def _start_flow(self, need: ConnectionRequired) -> dict[str, Any]:
         """The tool needs a connection the user does not hold: round 1's other half."""
-        if need.provider not in self.runtime.settings.providers:
+        if need.provider not in self.server.settings.providers:
             return ToolResult(text=f"Unknown provider: {need.provider}", is_error=True).to_wire()
         ask = RoundAsk(
             caller=self.caller,
@@ -209,7 +209,7 @@ class CallToolRound:
             tool_name=self.tool.name,
             args_digest=self.digest,
         )
-        outcome = await start_round(self.runtime.round_context, ask, granted=need.granted)
+        outcome = await start_round(self.server.rounds, ask, granted=need.granted)
         if outcome.needs_url_capability:
             raise missing_capability(URL_ELICITATION)
         if outcome.too_many_open_flows is not None:
@@ -232,16 +232,16 @@ class CallToolRound:
         if response is not None and action not in ACTIONS:
             raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
         outcome = await resume_round(
-            self.runtime.round_context, flow_id=flow_id, principal=principal, action=action
+            self.server.rounds, flow_id=flow_id, principal=principal, action=action
         )
         if outcome.done is not None:
             return outcome.done
         if outcome.open is not None:
-            return self._elicit(elicitation(self.runtime.round_context, outcome.open))
+            return self._elicit(elicitation(self.server.rounds, outcome.open))
         return self._ended(outcome.flow, outcome.ended or FlowStatus.expired)
 
     def _ended(self, flow: FlowView | None, status: str) -> dict[str, Any]:
-        provider = self.runtime.settings.providers.get(flow.provider) if flow else None
+        provider = self.server.settings.providers.get(flow.provider) if flow else None
         name = provider.display_name if provider else "the account"
         messages: dict[str, str] = {
             FlowStatus.declined: f"The user declined to connect {name}.",

@@ -42,7 +42,7 @@ from app.mcp.protocol import (
     rate_limited,
     refusing_initialize,
 )
-from app.runtime import Runtime
+from app.mcp.server import SERVER_INFO, McpServer
 
 logger = logging.getLogger("broker.mcp")
 
@@ -71,18 +71,18 @@ def _error(exc: JsonRpcError, request_id: Any = None) -> JsonMessage:
 
 
 async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
-    runtime: Runtime = scope["app"].state.runtime
+    server: McpServer = scope["app"].state.mcp_server
     headers = header_map(scope["headers"])
     message: Message | None = None
     try:
-        _check_origin(headers, runtime)
-        caller = await _authenticate(headers, runtime, scope)
+        _check_origin(headers, server)
+        caller = await _authenticate(headers, server, scope)
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise _HttpRefusal(
                 415, _plain_error(INVALID_REQUEST, "Content-Type must be application/json")
             )
-        body = await _read_body(receive, headers, runtime.settings.server.max_body_bytes)
+        body = await _read_body(receive, headers, server.settings.server.max_body_bytes)
         message = parse_body(body)
         check_message(message, headers)
         method = METHODS.get(message.method)
@@ -94,26 +94,26 @@ async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
             )
         if message.id is None:
             return Response(status_code=202)
-        wait = runtime.limits.users.take(caller.principal)
+        wait = server.limits.users.take(caller.principal)
         if wait:
-            runtime.metrics.refused("user")
+            server.metrics.refused("user")
             raise rate_limited("Too many requests for this user", wait)
         if META_PROGRESS_TOKEN in message.meta and accepts_event_stream(headers):
-            answer = functools.partial(_answer, scope, runtime, caller, message, headers, method)
+            answer = functools.partial(_answer, scope, server, caller, message, headers, method)
             return ProgressAnswer(message.meta[META_PROGRESS_TOKEN], answer)
-        result = await method(runtime, caller, message, headers, None)
+        result = await method(server, caller, message, headers, None)
     except _HttpRefusal as refusal:
         return _json(refusal.body, refusal.status, refusal.headers)
     except ClientDisconnect:
         return Response(status_code=400)
     except Exception as exc:
-        return _failure(exc, scope, runtime, message)
-    return _result(runtime, message, result)
+        return _failure(exc, scope, server, message)
+    return _result(server, message, result)
 
 
 async def _answer(
     scope: Scope,
-    runtime: Runtime,
+    server: McpServer,
     caller: McpCaller,
     message: Message,
     headers: HeaderMap,
@@ -122,27 +122,27 @@ async def _answer(
 ) -> JsonMessage:
     """The answer of a request that may report progress (app/mcp/progress.py)."""
     try:
-        result = await method(runtime, caller, message, headers, progress)
+        result = await method(server, caller, message, headers, progress)
     except Exception as exc:
-        return _failure(exc, scope, runtime, message)
-    return _result(runtime, message, result)
+        return _failure(exc, scope, server, message)
+    return _result(server, message, result)
 
 
-def _result(runtime: Runtime, message: Message, result: dict[str, Any]) -> JsonMessage:
-    result["_meta"] = {META_SERVER_INFO: runtime.server_info}
-    runtime.metrics.mcp_result(message.method, str(result.get("resultType", "complete")))
+def _result(server: McpServer, message: Message, result: dict[str, Any]) -> JsonMessage:
+    result["_meta"] = {META_SERVER_INFO: SERVER_INFO}
+    server.metrics.mcp_result(message.method, str(result.get("resultType", "complete")))
     return _json({"jsonrpc": "2.0", "id": message.id, "result": result})
 
 
 def _failure(
-    exc: Exception, scope: Scope, runtime: Runtime, message: Message | None
+    exc: Exception, scope: Scope, server: McpServer, message: Message | None
 ) -> JsonMessage:
     """The JSON-RPC error answering `exc`: its own, the service's unavailability, or a bug's."""
     request_id = message.id if message is not None else None
     if isinstance(exc, JsonRpcError):
         if (message.method if message is not None else exc.method) == LEGACY_HANDSHAKE:
             exc = refusing_initialize(exc)
-        runtime.metrics.mcp_error(exc.code)
+        server.metrics.mcp_error(exc.code)
         return _error(exc, request_id)
     if isinstance(exc, OperationalError | DBAPIError | PoolTimeout | OSError | TimeoutError):
         logger.error("mcp.unavailable error=%s", type(exc).__name__)
@@ -152,7 +152,7 @@ def _failure(
             http_status=503,
             headers={"Retry-After": "5"},
         )
-        runtime.metrics.mcp_error(INTERNAL_ERROR)
+        server.metrics.mcp_error(INTERNAL_ERROR)
         return _error(unavailable, request_id)
     # a bug: still answer in JSON-RPC, never with a page or a stack trace
     rid = scope.get("state", {}).get("request_id", "")
@@ -160,7 +160,7 @@ def _failure(
     failure = JsonRpcError(
         INTERNAL_ERROR, "Internal error", http_status=500, data={"reference": rid}
     )
-    runtime.metrics.mcp_error(INTERNAL_ERROR)
+    server.metrics.mcp_error(INTERNAL_ERROR)
     return _error(failure, request_id)
 
 
@@ -168,31 +168,31 @@ def _plain_error(code: int, text: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "error": {"code": code, "message": text}}
 
 
-def _check_origin(headers: HeaderMap, runtime: Runtime) -> None:
+def _check_origin(headers: HeaderMap, server: McpServer) -> None:
     origin = headers.get("origin")
-    if origin is not None and origin not in runtime.allowed_origins:
+    if origin is not None and origin not in server.allowed_origins:
         raise _HttpRefusal(403, _plain_error(INVALID_REQUEST, "Origin not allowed"))
 
 
-async def _authenticate(headers: HeaderMap, runtime: Runtime, scope: Scope) -> McpCaller:
+async def _authenticate(headers: HeaderMap, server: McpServer, scope: Scope) -> McpCaller:
     token = bearer_token(headers.get("authorization"))
     if token is None:
         raise _HttpRefusal(
             401,
             {"error": "unauthorized", "error_description": "A bearer token is required"},
-            {"WWW-Authenticate": _challenge(runtime)},
+            {"WWW-Authenticate": _challenge(server)},
         )
-    caller = runtime.verifier.cached(token)
+    caller = server.verifier.cached(token)
     if caller is None:
-        caller = await _verify_new_token(token, runtime, client_key(scope.get("client")))
-    required = runtime.settings.identity.required_scopes
+        caller = await _verify_new_token(token, server, client_key(scope.get("client")))
+    required = server.settings.identity.required_scopes
     if required and not caller.scopes.issuperset(required):
         raise _HttpRefusal(
             403,
             {"error": "insufficient_scope", "error_description": "The token lacks a scope"},
             {
                 "WWW-Authenticate": _challenge(
-                    runtime,
+                    server,
                     error="insufficient_scope",
                     description="The access token lacks a required scope",
                 )
@@ -201,22 +201,22 @@ async def _authenticate(headers: HeaderMap, runtime: Runtime, scope: Scope) -> M
     return caller
 
 
-async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCaller:
+async def _verify_new_token(token: str, server: McpServer, address: str) -> McpCaller:
     """Check a token not verified before, unless its sender's address has spent its budget of
     failed authentications (then no signature is checked: 429)."""
-    wait = runtime.failed_auth_wait(address)
+    wait = server.security.failed_auth_wait(address)
     if wait:
         raise rate_limited("Too many failed authentications from this address", wait)
     try:
-        return await runtime.verifier.verify(token)
+        return await server.verifier.verify(token)
     except InvalidToken as exc:
         logger.info("auth.invalid_token reason=%s", exc.reason)
         if not exc.expired:  # a client due to refresh has not failed to authenticate
-            runtime.note_failed_authentication(address)
+            server.security.note_failed_authentication(address)
         raise _HttpRefusal(
             401,
             {"error": "invalid_token", "error_description": "The access token is invalid"},
-            {"WWW-Authenticate": _challenge(runtime, error="invalid_token")},
+            {"WWW-Authenticate": _challenge(server, error="invalid_token")},
         ) from None
     except IdpUnavailable:
         raise _HttpRefusal(
@@ -226,9 +226,9 @@ async def _verify_new_token(token: str, runtime: Runtime, address: str) -> McpCa
         ) from None
 
 
-def _challenge(runtime: Runtime, **details: str) -> str:
+def _challenge(server: McpServer, **details: str) -> str:
     """The `WWW-Authenticate` value of a refusal: our resource metadata, the required scopes."""
-    settings = runtime.settings
+    settings = server.settings
     return challenge(
         f"{settings.public_origin}/.well-known/oauth-protected-resource/mcp",
         scope=" ".join(settings.identity.advertised_scopes),

@@ -10,7 +10,7 @@ from app.mcp.calls import CallToolRound
 from app.mcp.envelope import HeaderMap, Message
 from app.mcp.progress import ProgressReporter
 from app.mcp.protocol import SUPPORTED_VERSIONS, invalid_params
-from app.runtime import Runtime
+from app.mcp.server import McpServer
 
 LIST_TTL_MS = 300_000
 INSTRUCTIONS = (
@@ -20,12 +20,12 @@ INSTRUCTIONS = (
 
 # the last argument reports progress when the request asked for it (app/mcp/progress.py)
 Method = Callable[
-    [Runtime, McpCaller, Message, HeaderMap, ProgressReporter | None], Awaitable[dict[str, Any]]
+    [McpServer, McpCaller, Message, HeaderMap, ProgressReporter | None], Awaitable[dict[str, Any]]
 ]
 
 
 async def discover(
-    runtime: Runtime,
+    server: McpServer,
     _caller: McpCaller,
     _message: Message,
     _headers: HeaderMap,
@@ -42,7 +42,7 @@ async def discover(
 
 
 async def list_tools(
-    runtime: Runtime,
+    server: McpServer,
     _caller: McpCaller,
     message: Message,
     _headers: HeaderMap,
@@ -52,20 +52,20 @@ async def list_tools(
         raise invalid_params("Invalid cursor: tools/list has a single page")
     return {
         "resultType": "complete",
-        "tools": [tool.to_wire() for tool in runtime.registry],
+        "tools": [tool.to_wire() for tool in server.registry],
         "ttlMs": LIST_TTL_MS,
         "cacheScope": "public",
     }
 
 
 async def call_tool(
-    runtime: Runtime,
+    server: McpServer,
     caller: McpCaller,
     message: Message,
     headers: HeaderMap,
     progress: ProgressReporter | None,
 ) -> dict[str, Any]:
-    return await CallToolRound(runtime, caller, message, progress).run(headers)
+    return await CallToolRound(server, caller, message, progress).run(headers)
 
 
 METHODS: dict[str, Method] = {

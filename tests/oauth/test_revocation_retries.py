@@ -25,10 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.clock import utcnow
 from app.config import load_settings
 from app.connect import revocations
-from app.main import build_runtime
+from app.main import Shared, build_shared
 from app.mcp.registry import ToolRegistry
 from app.models import BROKER_AUDIENCE, PendingRevocation
-from app.runtime import Runtime
 
 from ..conftest import count_rows
 from ..support.broker import BrokerProcess, cli, serve_replica
@@ -55,18 +54,18 @@ def _fresh_fake(fake_github: FakeGitHub) -> Iterator[None]:
     fake_github.reset()
 
 
-async def open_runtime(broker: BrokerProcess) -> Runtime:
-    return build_runtime(load_settings(broker.config_path), ToolRegistry())
+async def open_runtime(broker: BrokerProcess) -> Shared:
+    return build_shared(load_settings(broker.config_path), ToolRegistry())
 
 
-async def close_runtime(runtime: Runtime) -> None:
+async def close_runtime(runtime: Shared) -> None:
     await runtime.http.aclose()
-    await runtime.direct.close()
+    await runtime.store.close()
     await runtime.engine.dispose()
 
 
 @pytest.fixture
-async def runtime(broker: BrokerProcess) -> AsyncIterator[Runtime]:
+async def runtime(broker: BrokerProcess) -> AsyncIterator[Shared]:
     """The broker's configuration and database, in this process: its sweep is ours to run."""
     opened = await open_runtime(broker)
     yield opened
@@ -116,7 +115,7 @@ async def test_a_revocation_github_failed_is_retried_until_github_confirms(
     browser: Browser,
     fake_github: FakeGitHub,
     db: AsyncEngine,
-    runtime: Runtime,
+    runtime: Shared,
 ) -> None:
     """GitHub answers the disconnect's revocation with a 500: the connection is gone at once, the
     user is told the revocation is not confirmed yet, and a sweep after the retry delay (not
@@ -148,7 +147,7 @@ async def test_a_revocation_left_by_a_process_that_died_is_made_by_another(
     token_for: Any,
     fake_github: FakeGitHub,
     db: AsyncEngine,
-    runtime: Runtime,
+    runtime: Shared,
 ) -> None:
     """A replica is killed (SIGKILL) while GitHub holds its revocation request: the connection
     was already deleted and the grant still lives at GitHub, but the queued revocation survives
@@ -195,7 +194,7 @@ async def test_a_revocation_github_keeps_failing_is_given_up_after_the_last_atte
     browser: Browser,
     fake_github: FakeGitHub,
     db: AsyncEngine,
-    runtime: Runtime,
+    runtime: Shared,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Each failure doubles the wait (60 s up to an hour); after MAX_ATTEMPTS the queued
@@ -241,7 +240,7 @@ async def test_a_sweep_racing_another_process_s_claim_skips_the_revocation_it_cl
     browser: Browser,
     fake_github: FakeGitHub,
     db: AsyncEngine,
-    runtime: Runtime,
+    runtime: Shared,
 ) -> None:
     """Each attempt is claimed by one conditional UPDATE. Another process's claim of a due
     revocation is still uncommitted when a sweep starts: the sweep waits for it (PostgreSQL's row
@@ -270,7 +269,7 @@ async def test_a_sweep_racing_another_process_s_claim_skips_the_revocation_it_cl
 
 
 async def test_a_revocation_for_a_provider_no_longer_configured_is_dropped(
-    db: AsyncEngine, runtime: Runtime, caplog: pytest.LogCaptureFixture
+    db: AsyncEngine, runtime: Shared, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A queued revocation whose provider left the configuration cannot be made: the sweep drops
     it with a warning instead of keeping it forever."""
