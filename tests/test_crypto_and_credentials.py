@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app import credentials
 from app.auth.principal import McpCaller, Principal
 from app.connect import revocations
-from app.connect.request_state import RequestStateCodec
+from app.connect.request_state import RequestStateCodec, StateRejected
 from app.crypto import (
     InvalidSeal,
     Keyring,
@@ -224,8 +224,9 @@ def test_i5_request_state_signed_with_an_old_key_verifies_until_that_key_is_remo
     still_valid = RequestStateCodec(Keyring.parse((new, old)), max_age=60).verify(
         state, caller, **binding
     )
-    with pytest.raises(Exception, match="Invalid or expired requestState"):
+    with pytest.raises(StateRejected) as refused:
         RequestStateCodec(Keyring.parse((new,)), max_age=60).verify(state, caller, **binding)
+    assert refused.value.reason == "invalid"
 
     assert still_valid.flow_id is None
 
