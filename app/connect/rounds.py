@@ -9,6 +9,7 @@ the connection exists, and the client gets it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,10 @@ from app.connect import service as flows
 from app.connect.context import RoundContext
 from app.connect.service import FlowRead, FlowView
 from app.connect.wait import wait_for_flow
+from app.errors import DATABASE_ERRORS
 from app.models import FlowStatus
+
+logger = logging.getLogger("broker")
 
 ACTIONS = ("accept", "decline", "cancel")
 Action = Literal["accept", "decline", "cancel"]
@@ -65,7 +69,16 @@ async def resume_round(
 
 async def mark_delivered(context: RoundContext, read: FlowRead) -> None:
     """The client has its final answer for a done flow: a completed flow becomes consumed (a later
-    identical retry still gets the answer; consumed already: no write)."""
-    if read.flow.status == FlowStatus.completed:
+    identical retry still gets the answer; consumed already: no write).
+
+    Bookkeeping only: the answer is decided and the connection stored, so a write the database
+    cannot take now (SQLite's one writer, when hundreds of flows finish at once) leaves the flow
+    completed, which answers the same, rather than fail the client's request.
+    """
+    if read.flow.status != FlowStatus.completed:
+        return
+    try:
         async with context.sessionmaker.begin() as session:
             await flows.mark_consumed(session, flow_id=read.flow.id, principal=read.flow.principal)
+    except DATABASE_ERRORS as exc:
+        logger.warning("flow.consume_deferred error=%s", type(exc).__name__)
