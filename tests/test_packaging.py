@@ -139,13 +139,17 @@ def test_the_image_build_stage_context_builds_a_complete_wheel(tmp_path: Path) -
     assert "app/templates/broker.css" in names
     assert "app/migrations/env.py" in names
     assert not any(name.startswith("connect_broker_client/") for name in names)  # its own wheel
+    packages = {
+        init.parent.relative_to(ROOT).as_posix() for init in (ROOT / "app").rglob("__init__.py")
+    }
+    assert {f"{package}/__init__.py" for package in packages} <= names  # every subpackage ships
     [entry_points] = site.glob("connect_broker-*.dist-info/entry_points.txt")
     assert "connect-broker = app.cli:main" in entry_points.read_text()
 
     where = run_installed(
         site,
         "-c",
-        "import app; from app.templating import _environment as e;"
+        "import app, app.main; from app.templating import _environment as e;"
         "e.get_template('connect/api_key.html'); print(app.__file__)",
     )
     assert where.returncode == 0, where.stderr[-2000:]
