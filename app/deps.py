@@ -14,14 +14,13 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.auth.browser import BrowserSessions, BrowserUser
-from app.auth.jwks import JwksCache, ProviderIssuers
+from app.auth.jwks import JwksCache
 from app.config import Settings
 from app.connect.notify import FlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.revocations import Revoker
 from app.crypto import Keys
 from app.db import get_session
-from app.limits import RateLimits
 from app.security_log import SecurityLog
 
 
@@ -45,11 +44,6 @@ async def get_http(request: Request) -> httpx2.AsyncClient:
     return http
 
 
-async def get_limits(request: Request) -> RateLimits:
-    limits: RateLimits = request.app.state.limits
-    return limits
-
-
 async def get_security(request: Request) -> SecurityLog:
     security: SecurityLog = request.app.state.security
     return security
@@ -59,11 +53,6 @@ async def get_identity_issuer(request: Request) -> JwksCache:
     """The MCP identity provider's discovery document and keys."""
     issuer: JwksCache = request.app.state.identity_issuer
     return issuer
-
-
-async def get_provider_issuers(request: Request) -> ProviderIssuers:
-    issuers: ProviderIssuers = request.app.state.provider_issuers
-    return issuers
 
 
 async def get_browser_sessions(request: Request) -> BrowserSessions:
@@ -91,10 +80,8 @@ SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 SessionmakerDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessionmaker)]
 KeysDep = Annotated[Keys, Depends(get_keys)]
 HttpDep = Annotated[httpx2.AsyncClient, Depends(get_http)]
-LimitsDep = Annotated[RateLimits, Depends(get_limits)]
 SecurityDep = Annotated[SecurityLog, Depends(get_security)]
 IdentityIssuerDep = Annotated[JwksCache, Depends(get_identity_issuer)]
-ProviderIssuersDep = Annotated[ProviderIssuers, Depends(get_provider_issuers)]
 BrowserSessionsDep = Annotated[BrowserSessions, Depends(get_browser_sessions)]
 NotifierDep = Annotated[FlowNotifier, Depends(get_notifier)]
 OAuthGrantsDep = Annotated[OAuthGrants, Depends(get_oauth_grants)]

@@ -89,13 +89,10 @@ class Shared:
     browser_sessions: BrowserSessions
     notifier: FlowNotifier
     http: httpx2.AsyncClient
-    limits: RateLimits
     metrics: BrokerMetrics
     security: SecurityLog
-    provider_issuers: ProviderIssuers
     oauth_grants: OAuthGrants
     revoker: Revoker
-    credentials: UsableCredentials
     mcp_server: McpServer
     connect_api: ConnectApi
     service_secrets: ServiceSecrets
@@ -171,13 +168,10 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         ),
         notifier=notifier,
         http=http,
-        limits=limits,
         metrics=metrics,
         security=security,
-        provider_issuers=provider_issuers,
         oauth_grants=grants,
         revoker=revoker,
-        credentials=credentials,
         mcp_server=McpServer(
             settings=settings,
             verifier=TokenVerifier(
