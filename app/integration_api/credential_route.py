@@ -14,7 +14,7 @@ user and connection.
 from __future__ import annotations
 
 import functools
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote_plus
 
 from fastapi.exceptions import RequestValidationError
@@ -53,7 +53,6 @@ from app.limits import client_key
 from app.middleware import first_header
 from app.storable import unstorable_reason
 
-T = TypeVar("T")
 PATH = "/api/v1/credentials/{provider}"
 MAX_QUERY_VALUE = 255
 USER_PARAMETERS = {  # the query, each parameter with its OpenAPI description
