@@ -183,10 +183,34 @@ class LimitSettings(_Section):
 
 
 class ServiceSettings(_Section):
-    """`[services.<name>]`: what a registered sibling server may read beyond its own."""
+    """`[services.<name>]`: what a registered sibling server may read beyond its own, and how it
+    proves the user it asks for."""
 
     share_from: tuple[str, ...] = ()  # audiences ("mcp" or service names) it may also read
     display_name: str | None = None
+    # "token": the service names no user itself; it sends the user's own access token for
+    # `token_audience` and the broker takes the user from it (app/integration_api/user_proof.py)
+    user_proof: Literal["off", "token"] = "off"
+    # the audience of those tokens at the IdP: the sibling's own resource (its /mcp URL)
+    token_audience: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("token_audience")
+    @classmethod
+    def _token_audience(cls, value: str | None, info: ValidationInfo) -> str | None:
+        proof = info.data.get("user_proof")  # absent: user_proof itself is wrong, named there
+        if value is None:
+            if proof == "token":
+                raise ValueError(
+                    'required with user_proof = "token": the audience of the sibling\'s own'
+                    " access tokens (its /mcp URL)"
+                )
+            return None
+        if proof == "off":
+            raise ValueError('only used with user_proof = "token"')
+        parts = urlsplit(value)
+        if not value.isascii() or not parts.scheme or not (parts.netloc or parts.path):
+            raise ValueError("must be an absolute URI, e.g. https://repos.example.com/mcp")
+        return value
 
 
 @dataclass(frozen=True)
@@ -329,7 +353,28 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
         _parse(ServiceSettings, dict(values), f"services.{name}", services, problems)
     parsed["providers"] = providers
     parsed["services"] = {name.removeprefix("services."): s for name, s in services.items()}
+    problems.extend(_token_audience_problems(parsed))
     return parsed, problems
+
+
+def _token_audience_problems(parsed: dict[str, Any]) -> list[Problem]:
+    """A token audience names one service, and never the broker's own /mcp: a token for one
+    resource must not prove the user to another."""
+    problems: list[Problem] = []
+    server, identity = parsed.get("server"), parsed.get("identity")
+    broker = (identity.audience or f"{server.public_url}/mcp") if server and identity else None
+    seen: dict[str, str] = {}
+    for name, service in parsed["services"].items():
+        audience = service.token_audience
+        if audience is None:
+            continue
+        key = f"services.{name}.token_audience"
+        if audience.rstrip("/") == (broker or "").rstrip("/"):
+            problems.append((key, "must not be the broker's own audience (its /mcp URL)"))
+        elif audience in seen:
+            problems.append((key, f"already the token audience of services.{seen[audience]}"))
+        seen.setdefault(audience, name)
+    return problems
 
 
 TABLES = ("providers", "services")

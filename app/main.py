@@ -48,10 +48,11 @@ from app.errors import (
     on_http_exception,
     on_unexpected_error,
 )
-from app.integration_api import credential_route
+from app.integration_api import credential_route, token_exchange
 from app.integration_api import routes as integration_routes
 from app.integration_api.broker import ConnectApi
 from app.integration_api.routes import ServiceSecrets
+from app.integration_api.user_proof import UserProofs, user_proofs
 from app.limits import RateLimits
 from app.mcp.broker_tools import register_broker_tools
 from app.mcp.endpoint import McpEndpoint
@@ -96,6 +97,7 @@ class Shared:
     mcp_server: McpServer
     connect_api: ConnectApi
     service_secrets: ServiceSecrets
+    user_proofs: UserProofs  # the services that prove their users with the users' tokens
 
 
 def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
@@ -191,6 +193,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         ),
         connect_api=ConnectApi(rounds, codec),
         service_secrets=ServiceSecrets(store, keys.signing, security, limits),
+        user_proofs=user_proofs(settings, identity_issuer, security),
     )
 
 
@@ -314,6 +317,7 @@ def create_app(
     app.include_router(connect_pages.router)
     app.include_router(oauth_pages.router)
     app.include_router(integration_routes.router)
+    app.include_router(token_exchange.router)
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)

@@ -13,8 +13,11 @@ no `elicitation.url`, or an `isError` result when the user declined, cancelled o
 expire. The client's retry of the same call reaches the same `require`, which resumes the flow.
 
 Who the user is comes from the access token the server's own TokenVerifier accepted for this
-request (its `iss` and identity claim), never from tool arguments. That token never leaves the
-process: the broker sees the service secret, the user's (issuer, subject) and a digest of the call.
+request (its `iss` and identity claim), never from tool arguments. By default that token never
+leaves the process: the broker sees the service secret, the user's (issuer, subject) and a digest
+of the call. With `user_proof=True` (for a service the broker configures with
+`user_proof = "token"`) the token itself goes to the broker instead of the user's name, and the
+broker takes the user from it: the secret alone then reads no one's credential.
 
 The round trip and what the requestState holds: `connect_broker_client.rounds`.
 """
@@ -26,7 +29,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -51,6 +54,11 @@ from connect_broker_client.rounds import ConnectionRequired, PendingRound, Resul
 logger = logging.getLogger("connect_broker_client")
 
 MRTR_VERSION = "2026-07-28"  # the first revision with InputRequiredResult
+TOKEN_EXCHANGE = {  # RFC 8693 §2.1; requested_token_type names the provider
+    "grant_type": "urn:ietf:params:oauth:grant-type:token-exchange",
+    "subject_token_type": "urn:ietf:params:oauth:token-type:access_token",
+}
+CREDENTIAL_TYPE = "urn:connect-broker:credential:"
 
 
 @dataclass(frozen=True)
@@ -74,18 +82,22 @@ class ConnectBroker:
         service_secret: str,
         *,
         identity_claim: str = "sub",
+        user_proof: bool = False,
         timeout: float = 40.0,
         http: httpx2.AsyncClient | None = None,
     ) -> None:
         """`timeout` must exceed the broker's `retry_wait_seconds` (default 20): a resume waits.
 
         `identity_claim` must be the broker's `identity.identity_claim` (`oid` for Entra).
+        `user_proof` must match the service's `user_proof = "token"` at the broker: the caller's
+        access token is sent instead of naming the caller.
         """
         self._api = url.rstrip("/") + "/api/v1"
         self._headers = {"Authorization": f"Bearer {service_secret}"}
         self._http = http or httpx2.AsyncClient(timeout=timeout, follow_redirects=False)
         self._owns_http = http is None
         self.identity_claim = identity_claim
+        self.user_proof = user_proof
         self.middleware = ResultMiddleware()
 
     def install(self, server: MCPServer[Any]) -> None:
@@ -137,6 +149,8 @@ class ConnectBroker:
     async def credential(self, ctx: Context[Any, Any], provider: str) -> Credential | None:
         """The caller's credential if connected (never elicits), else None."""
         try:
+            if self.user_proof:
+                return _exchanged(provider, await self._exchange(provider))
             found = await self._call(
                 "GET", f"/credentials/{quote(provider, safe='')}", params=_user(self.identity_claim)
             )
@@ -145,6 +159,15 @@ class ConnectBroker:
                 return None
             raise
         return _credential(found)
+
+    async def _exchange(self, provider: str) -> dict[str, Any]:
+        """The caller's access token exchanged for the credential (POST /api/v1/token)."""
+        form = {
+            **TOKEN_EXCHANGE,
+            "subject_token": _subject_token(),
+            "requested_token_type": CREDENTIAL_TYPE + provider,
+        }
+        return await self._call("POST", "/token", form=form)
 
     async def connections(self, ctx: Context[Any, Any]) -> list[dict[str, Any]]:
         """The caller's connections this service may read (provider, account, status, owner)."""
@@ -172,8 +195,13 @@ class ConnectBroker:
         # answers "missing capability" instead of starting a flow the client could not finish.
         capabilities = ctx.client_capabilities if modern else None
         client = ctx.session.client_params
+        user: dict[str, Any] = (
+            {"subject_token": _subject_token()}
+            if self.user_proof
+            else {"user": _user(self.identity_claim, as_query=False)}
+        )
         return {
-            "user": _user(self.identity_claim, as_query=False),
+            **user,
             "scopes": list(scopes),
             "client_capabilities": (
                 capabilities.model_dump(by_alias=True, mode="json", exclude_none=True)
@@ -191,10 +219,16 @@ class ConnectBroker:
         body: dict[str, Any] | None = None,
         *,
         params: Mapping[str, str] | None = None,
+        form: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         try:
             response = await self._http.request(
-                method, self._api + path, json=body, params=params, headers=self._headers
+                method,
+                self._api + path,
+                json=body,
+                data=form,
+                params=params,
+                headers=self._headers,
             )
         except httpx2.HTTPError as exc:
             logger.warning("connect_broker.unreachable reason=%s", type(exc).__name__)
@@ -233,6 +267,14 @@ def _user(identity_claim: str, *, as_query: bool = True) -> dict[str, str]:
             f"and the {identity_claim!r} claim (use connect_broker_client.IdpTokenVerifier)"
         )
     return {"issuer": issuer, "subject": subject}
+
+
+def _subject_token() -> str:
+    """The access token this request was authenticated with, for a user_proof service."""
+    token = get_access_token()
+    if token is None or not token.token:
+        raise RuntimeError("ConnectBroker(user_proof=True) needs an authenticated request")
+    return token.token
 
 
 def _call_digest(request: ServerRequestContext[Any, Any]) -> str:
@@ -275,6 +317,24 @@ def _credential(found: Mapping[str, Any]) -> Credential:
         account=found.get("account"),
         scopes=tuple(found.get("scopes") or ()),
         expires_at=datetime.fromisoformat(found["expires_at"]) if found.get("expires_at") else None,
+    )
+
+
+def _exchanged(provider: str, found: Mapping[str, Any]) -> Credential:
+    """The credential of an RFC 8693 answer: `token_type` Bearer for an OAuth access token,
+    N_A for an API key."""
+    expires_in = found.get("expires_in")
+    return Credential(
+        provider=provider,
+        kind="oauth2" if str(found.get("token_type", "")).lower() == "bearer" else "api_key",
+        secret=str(found["access_token"]),
+        account=found.get("account"),
+        scopes=tuple(str(found.get("scope") or "").split()),
+        expires_at=(
+            datetime.now(UTC) + timedelta(seconds=int(expires_in))
+            if isinstance(expires_in, int)
+            else None
+        ),
     )
 
 

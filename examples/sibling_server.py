@@ -14,7 +14,10 @@ answers the broker's URL-mode elicitation, and the client's retry gets the repos
 
 Optional: SIBLING_NAME (default `github-repos`, the server's name and the audience of its sealed
 requestState); SIBLING_STATE_KEYS (comma-separated secrets of 32+ bytes) seals requestState under
-keys every instance shares; without it each process has its own key, fine for a single process.
+keys every instance shares; without it each process has its own key, fine for a single process;
+BROKER_USER_PROOF=token for a service the broker configures with `user_proof = "token"` and
+`token_audience` = SIBLING_AUDIENCE: the caller's own access token then proves the caller to the
+broker (default `off`: the sibling names the caller).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class SiblingConfig:
     github_api_url: str = "https://api.github.com"
     name: str = "github-repos"
     state_keys: tuple[str, ...] = ()
+    user_proof: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SiblingConfig:
@@ -58,6 +62,9 @@ class SiblingConfig:
         if missing:
             raise SystemExit(f"missing environment variables: {', '.join(missing)}")
         keys = tuple(key for key in values.get("SIBLING_STATE_KEYS", "").split(",") if key)
+        proof = values.get("BROKER_USER_PROOF") or "off"
+        if proof not in ("off", "token"):
+            raise SystemExit("BROKER_USER_PROOF must be off or token")
         return cls(
             broker_url=values["BROKER_URL"],
             service_secret=values["BROKER_SERVICE_SECRET"],
@@ -66,6 +73,7 @@ class SiblingConfig:
             github_api_url=values.get("GITHUB_API_URL") or cls.github_api_url,
             name=values.get("SIBLING_NAME") or cls.name,
             state_keys=keys,
+            user_proof=proof == "token",
         )
 
 
@@ -77,7 +85,7 @@ class Repo(BaseModel):
 
 def build_server(config: SiblingConfig) -> MCPServer[Any]:
     """The MCPServer with its token verifier, the broker's middleware and the tool."""
-    broker = ConnectBroker(config.broker_url, config.service_secret)
+    broker = ConnectBroker(config.broker_url, config.service_secret, user_proof=config.user_proof)
     verifier = IdpTokenVerifier(config.issuer, config.audience)
     github = httpx2.AsyncClient(base_url=config.github_api_url, timeout=GITHUB_TIMEOUT_SECONDS)
 

@@ -159,6 +159,13 @@ MEANINGS: dict[str, str] = {
     "services.<name>.share_from": 'audiences (`"mcp"` or service names) whose connections this '
     "service may also read",
     "services.<name>.display_name": "how pages name the service; default: its name",
+    "services.<name>.user_proof": "`off`: the service names the user it verified; `token`: it "
+    "sends the user's own access token instead, the broker takes the user from it, and the "
+    "routes that name the user refuse the service ([integration-api.md](integration-api.md), "
+    "*Proof of the user*)",
+    "services.<name>.token_audience": 'required with `user_proof = "token"`, else refused: the '
+    "audience those tokens carry, the sibling's own resource at the IdP (its `/mcp` URL); not the "
+    "broker's audience, and not another service's",
 }
 
 HEADER = """\

@@ -36,6 +36,11 @@ pattern = "^sk_[a-z0-9]+$"
 """
 
 
+BOT = "[services.bot]\n"
+PROOF = 'user_proof = "token"\n'
+BOT_AUDIENCE = 'token_audience = "https://bot.example.com/mcp"\n'
+
+
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "broker.toml"
     path.write_text(text)
@@ -117,6 +122,30 @@ def test_secret_can_come_from_a_file(tmp_path: Path) -> None:
             ("[server]", "[limits]\nfailed_auths_per_minute = -1\n[server]"),
             "limits.failed_auths_per_minute",
         ),
+        (("[server]", f'{BOT}user_proof = "tokens"\n[server]'), "services.bot.user_proof"),
+        (("[server]", f'{BOT}user_proof = "token"\n[server]'), "services.bot.token_audience"),
+        (
+            ("[server]", f'{BOT}token_audience = "https://bot.example.com/mcp"\n[server]'),
+            "services.bot.token_audience",
+        ),
+        (
+            ("[server]", f'{BOT}{PROOF}token_audience = "bot"\n[server]'),
+            "services.bot.token_audience",
+        ),
+        (
+            (
+                "[server]",
+                f'{BOT}{PROOF}token_audience = "https://broker.example.com/mcp"\n[server]',
+            ),
+            "services.bot.token_audience",
+        ),
+        (
+            (
+                "[server]",
+                f"{BOT}{PROOF}{BOT_AUDIENCE}[services.other]\n{PROOF}{BOT_AUDIENCE}[server]",
+            ),
+            "services.other.token_audience",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_key(
@@ -130,6 +159,21 @@ def test_a_bad_value_is_refused_naming_the_key(
 
     assert str(error.value).startswith(key)
     assert "tok3n-too-brief" not in str(error.value)  # a refused secret is not echoed
+
+
+def test_user_proof_is_off_by_default_and_token_takes_the_siblings_audience(
+    tmp_path: Path,
+) -> None:
+    text = VALID + f'{BOT}{PROOF}{BOT_AUDIENCE}[services.plain]\ndisplay_name = "Plain"\n'
+
+    settings = load_settings(write(tmp_path, text), environ={})
+
+    assert settings.services["plain"].user_proof == "off"
+    assert settings.services["plain"].token_audience is None
+    assert settings.services["bot"].user_proof == "token"
+    assert settings.services["bot"].token_audience == "https://bot.example.com/mcp"
+    with pytest.raises(ConfigError, match=r"^services\.bot\.token_audience: only used with"):
+        load_settings(write(tmp_path, text), environ={"BROKER_SERVICES_BOT_USER_PROOF": "off"})
 
 
 def test_serve_requires_an_issuer_and_keys(tmp_path: Path) -> None:

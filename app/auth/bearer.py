@@ -33,12 +33,19 @@ LEEWAY_SECONDS = 60
 class InvalidToken(Exception):
     """The bearer token is missing, malformed, expired or not for us. `reason` is for logs.
     `expired`: signed by the issuer for us, and only past its expiry (a client due to refresh,
-    not a forgery)."""
+    not a forgery). `claim`: the claim found missing or wrong (`aud`: a token for another
+    resource), if that is what is wrong."""
 
-    def __init__(self, reason: str, *, expired: bool = False) -> None:
+    def __init__(self, reason: str, *, expired: bool = False, claim: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.expired = expired
+        self.claim = claim
+
+
+def _claim_refused(exc: Exception) -> InvalidToken:
+    claim = getattr(exc, "claim", None)
+    return InvalidToken(type(exc).__name__, claim=claim if isinstance(claim, str) else None)
 
 
 class _ClaimsApartFromExpiry(JWTClaimsRegistry):
@@ -172,10 +179,10 @@ class TokenVerifier:
             try:
                 self._claims_apart_from_expiry.validate(claims)
             except (JoseError, ValueError, TypeError) as exc:
-                raise InvalidToken(type(exc).__name__) from None
+                raise _claim_refused(exc) from None
             raise InvalidToken("expired", expired=True) from None
         except (JoseError, ValueError, TypeError) as exc:
-            raise InvalidToken(type(exc).__name__) from None
+            raise _claim_refused(exc) from None
 
 
 def _scopes(claims: dict[str, object]) -> frozenset[str]:

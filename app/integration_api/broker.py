@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.auth.bearer import MAX_TOKEN_LENGTH
 from app.auth.principal import McpCaller, Principal
 from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
@@ -78,7 +79,15 @@ class UserRef(BaseModel):
 class RequireRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    user: UserRef
+    user: UserRef | None = Field(
+        default=None, description="the user, named by a service that does not send `subject_token`"
+    )
+    subject_token: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOKEN_LENGTH,
+        description='the user\'s own access token, for a service with user_proof = "token"',
+    )
     scopes: list[Annotated[str, Field(pattern=SCOPE_PATTERN)]] = Field(
         default_factory=list, max_length=50, description="one scope per entry"
     )

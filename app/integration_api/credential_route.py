@@ -8,7 +8,9 @@ explicitly: `read_user` checks the query, `UsableCredential.document` serialises
 
 The order is that of the other /api/v1 routes (`ServiceRoute`): the service secret first (401,
 or 429 for an address past its failed authentications), then the query (422), then provider,
-user and connection.
+user and connection. A service that proves its users with their tokens (`user_proof = "token"`)
+is refused (403) before the named user's credential is opened: it uses the exchange at
+/api/v1/token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from app.integration_api.broker import ConnectApi, CredentialView, UsableCredent
 from app.integration_api.problems import (
     InvalidServiceCredentials,
     NotConnected,
+    UserProofRequired,
     invalid_request,
     problem_response,
     problem_responses,
@@ -156,6 +159,8 @@ async def _fetch(state: State, scope: Scope) -> Response:
         provider=provider,
     )
     service, own = secrets.verified(address, secret, found)
+    if state.user_proofs.required(service.name):  # the named user is not read for it
+        raise UserProofRequired()
     usable = await credential_for(
         state.settings, state.connect_api, service, provider, issuer, subject, own
     )

@@ -65,6 +65,55 @@ class UnknownIssuer(BrokerError):
     message = "The user's issuer must be the identity provider this broker trusts."
 
 
+class UserProofRequired(BrokerError):
+    status_code = 403
+    code = "user_proof_required"
+    title = "The user's own token is required"
+    message = (
+        "This service is configured with user_proof = 'token': it cannot name a user. Exchange"
+        " the user's access token at POST /api/v1/token, or send it as `subject_token` to"
+        " require and resume."
+    )
+
+
+class UserProofNotEnabled(BrokerError):
+    status_code = 400
+    code = "user_proof_not_enabled"
+    title = "User proof not enabled for this service"
+    message = (
+        "Only a service configured with user_proof = 'token' sends the user's token; this"
+        " service names the user instead."
+    )
+
+
+class SubjectTokenInvalid(BrokerError):
+    status_code = 400
+    code = "subject_token_invalid"
+    title = "Invalid user token"
+    message = (
+        "The user's access token is malformed, not signed by the broker's IdP, or lacks a claim."
+    )
+
+
+class SubjectTokenWrongAudience(SubjectTokenInvalid):
+    code = "subject_token_wrong_audience"
+    title = "User token for another audience"
+    message = "The user's access token is not for this service's token_audience."
+
+
+class SubjectTokenExpired(SubjectTokenInvalid):
+    code = "subject_token_expired"
+    title = "Expired user token"
+    message = "The user's access token has expired; send a current one."
+
+
+class IdentityProviderUnavailable(BrokerError):
+    status_code = 503
+    code = "idp_unavailable"
+    title = "Identity provider unavailable"
+    message = "The broker cannot fetch its identity provider's keys right now; retry shortly."
+
+
 class InvalidRequest(BrokerError):
     status_code = 422
     code = "invalid_request"

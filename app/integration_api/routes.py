@@ -2,7 +2,10 @@
 The credential fetch, its hot path, is a plain route of its own (credential_route.py).
 
 A sibling authenticates as itself (`Authorization: Bearer <service secret>`) and names the user
-it verified from its own MCP token; it never forwards that token. It asks for a credential and
+it verified from its own MCP token; it never forwards that token, unless it is configured with
+`user_proof = "token"`: then it sends the token instead of naming the user (`subject_token` in
+require and resume, or the exchange at /api/v1/token), and the routes that take the user from the
+query refuse it (app/integration_api/user_proof.py). It asks for a credential and
 gets either the credential, an input-required payload to return verbatim as its own
 `InputRequiredResult` (a URL-mode elicitation for a flow the page attributes to the sibling), or a
 missing-capability answer to turn into `-32021`. Connections it creates belong to its audience;
@@ -50,11 +53,13 @@ from app.integration_api.problems import (
     TooManyFailedAuthentications,
     UnknownIssuer,
     UnknownProvider,
+    UserProofRequired,
     invalid_request,
     problem_response,
     problem_responses,
 )
 from app.integration_api.services import Service
+from app.integration_api.user_proof import UserProofs
 from app.jsonbytes import may_hold_unusable_text, unusable_text
 from app.limits import RateLimits, client_key
 from app.security_log import SecurityLog
@@ -84,7 +89,7 @@ class ServiceRoute(ProblemRoute):
 
         async def authenticated_first(request: Request) -> Response:
             try:
-                request.state.service = await _authenticate(request)
+                request.state.service = await authenticate_service(request)
             except (InvalidServiceCredentials, TooManyFailedAuthentications) as exc:
                 return problem_response(request, exc)
             if self.body_field is not None:
@@ -163,7 +168,7 @@ class ServiceSecrets:
         return found
 
 
-async def _authenticate(request: Request) -> Service:
+async def authenticate_service(request: Request) -> Service:
     """The sibling presenting the secret (looked up through the direct store, holding no
     session)."""
     secrets: ServiceSecrets = request.app.state.service_secrets
@@ -204,6 +209,38 @@ def known_principal(settings: Settings, issuer: str, subject: str) -> Principal:
     return Principal(issuer, subject)
 
 
+def user_proofs(request: Request) -> UserProofs:
+    proofs: UserProofs = request.app.state.user_proofs
+    return proofs
+
+
+def named_principal(
+    request: Request, settings: Settings, service: Service, issuer: str, subject: str
+) -> Principal:
+    """The user the query names, unless the service must prove its users (403)."""
+    if user_proofs(request).required(service.name):
+        raise UserProofRequired()
+    return known_principal(settings, issuer, subject)
+
+
+async def body_principal(
+    request: Request, settings: Settings, service: Service, body: RequireRequest
+) -> Principal:
+    """The user of a require or resume body: the one its `subject_token` stands for (a `user`
+    named beside it is not read), else the one it names, unless the service must prove its
+    users (403)."""
+    proofs = user_proofs(request)
+    if body.subject_token is not None:
+        address = client_key(request.scope.get("client"))
+        return await proofs.principal(service, body.subject_token, address)
+    if proofs.required(service.name):
+        raise UserProofRequired()
+    if body.user is None:
+        missing = {"loc": ("body", "user"), "msg": "Field required", "type": "missing"}
+        raise RequestValidationError([missing])
+    return known_principal(settings, body.user.issuer, body.user.subject)
+
+
 @router.post(
     "/connections/{provider}/require",
     response_model=ConnectOutcome,
@@ -216,11 +253,12 @@ async def require(
     settings: SettingsDep,
     api: ConnectApiDep,
     service: CallingService,
+    request: Request,
     response: Response,
 ) -> ConnectOutcome:
     """The user's credential, or the input-required payload to return to the MCP client."""
     check_provider(settings, service, provider)
-    principal = known_principal(settings, body.user.issuer, body.user.subject)
+    principal = await body_principal(request, settings, service, body)
     return _not_stored(response, await require_connection(api, service, provider, principal, body))
 
 
@@ -236,11 +274,12 @@ async def resume(
     settings: SettingsDep,
     api: ConnectApiDep,
     service: CallingService,
+    request: Request,
     response: Response,
 ) -> ConnectOutcome:
     """On the client's retry: the echoed requestState and the client's inputResponses entry."""
     check_provider(settings, service, provider)
-    principal = known_principal(settings, body.user.issuer, body.user.subject)
+    principal = await body_principal(request, settings, service, body)
     return _not_stored(response, await resume_connection(api, service, provider, principal, body))
 
 
@@ -251,8 +290,9 @@ def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
     return outcome
 
 
-@router.get("/connections", responses=problem_responses(400))
+@router.get("/connections", responses=problem_responses(400, 403))
 async def list_connections(
+    request: Request,
     settings: SettingsDep,
     session: SessionDep,
     service: CallingService,
@@ -260,7 +300,7 @@ async def list_connections(
     subject: UserSubject,
 ) -> ConnectionList:
     """The user's connections this service can read: its own and those it shares from."""
-    principal = known_principal(settings, issuer, subject)
+    principal = named_principal(request, settings, service, issuer, subject)
     items = []
     for audience in service_audiences(settings, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
@@ -280,6 +320,7 @@ async def list_connections(
 @router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404))
 async def delete_connection(
     provider: str,
+    request: Request,
     settings: SettingsDep,
     revoker: RevokerDep,
     session: SessionDep,
@@ -292,7 +333,7 @@ async def delete_connection(
     outcome = await disconnection.disconnect(
         session,
         revoker,
-        principal=known_principal(settings, issuer, subject),
+        principal=named_principal(request, settings, service, issuer, subject),
         provider=provider,
         audience=service.name,
     )

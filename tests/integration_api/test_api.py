@@ -917,6 +917,7 @@ API_OPERATIONS = {
     ("/api/v1/connections", "get"),
     ("/api/v1/connections/{provider}", "delete"),
 }
+TOKEN_OPERATION = ("/api/v1/token", "post")  # RFC 8693: OAuth errors, not problem JSON
 
 
 @pytest.fixture(scope="module")
@@ -942,9 +943,10 @@ def request_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
     return schema
 
 
-async def test_openapi_documents_the_five_integration_operations(openapi: dict[str, Any]) -> None:
-    """GET /api/v1/openapi.json: exactly the five /api/v1 operations (nothing of the pages or
-    /mcp), each behind the bearer service secret, with typed bodies and problem responses."""
+async def test_openapi_documents_the_six_integration_operations(openapi: dict[str, Any]) -> None:
+    """GET /api/v1/openapi.json: exactly the six /api/v1 operations (nothing of the pages or
+    /mcp), each behind the bearer service secret, with typed bodies and problem responses (the
+    token exchange: RFC 6749 errors)."""
     operations = {
         (path, method) for path, methods in openapi["paths"].items() for method in methods
     }
@@ -952,16 +954,17 @@ async def test_openapi_documents_the_five_integration_operations(openapi: dict[s
     resume = request_schema(openapi, "/api/v1/connections/{provider}/resume")
     schemes = openapi["components"]["securitySchemes"]
 
-    assert operations == API_OPERATIONS
+    assert operations == API_OPERATIONS | {TOKEN_OPERATION}
     assert require["additionalProperties"] is False
     assert set(require["properties"]) == {
         "user",
+        "subject_token",
         "scopes",
         "client_capabilities",
         "client_name",
         "request_digest",
     }
-    assert require["required"] == ["user"]
+    assert "required" not in require  # `user`, or `subject_token` for a user_proof service
     assert set(resume["properties"]) == set(require["properties"]) | {
         "request_state",
         "input_response",
@@ -983,6 +986,16 @@ async def test_openapi_documents_the_five_integration_operations(openapi: dict[s
                 path,
                 status,
             )
+    exchange = openapi["paths"][TOKEN_OPERATION[0]][TOKEN_OPERATION[1]]
+    assert exchange["security"] == [{"ServiceSecret": []}]
+    assert set(exchange["requestBody"]["content"]) == {"application/x-www-form-urlencoded"}
+    assert exchange["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/IssuedCredential"
+    }
+    for status in ("400", "401", "429"):
+        assert exchange["responses"][status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/TokenError"
+        }
     outcome = openapi["components"]["schemas"]["ConnectOutcome"]
     assert set(outcome["properties"]["status"]["enum"]) == {
         "connected",
