@@ -1,6 +1,6 @@
 """Instructions per credential fetch, counted by callgrind: a figure that holds still.
 
-    python -m bench.instructions [--requests 2000] [--concurrency 32]
+    python -m bench.instructions [--requests 2000] [--concurrency 32] [--user-proof]
 
 wrk's req/s moves with whatever else the machine does; an instruction count does not. This sends
 the `credential` scenario's requests (bench/run.py) to the broker's ASGI app called in-process,
@@ -12,6 +12,15 @@ too; --concurrency 1 counts a request on an idle server. Each side runs twice af
 warm-up: without measured requests, and with --requests of them; the difference, divided by
 --requests, is its instructions per request. The ratio is bare / broker, as bench/run.py's are.
 
+With --user-proof, the same run also counts the credential read of a service with
+`user_proof = "token"`: the token exchange (POST /api/v1/token, RFC 8693) of a user's access token
+signed with the key of a real IdP (tests/support/idp.py, whose JWKS the broker fetches, as in
+production), for the same stored keys. Twice: with a token the broker has verified before
+(`known`: each of the users' tokens is verified during the warm-up, then served from the
+verifier's cache, as a sibling's repeated calls are), and with a token never seen before (`new`:
+every measured request carries a fresh token, so each pays the signature check). Tokens are
+minted before the runs, outside the count.
+
 valgrind reports fewer CPU features than the machine has, and OpenSSL then runs generic code for
 SHA-256: the secret's digest weighs more here than on the machine. Compare commits with it; do
 not read it as a share of the real cost. Needs Debian's valgrind.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -30,23 +40,42 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from fastapi import FastAPI
 
-from bench.pool import credential_path, store_api_keys, write_get_pool
+from bench.pool import TokenMinter, credential_path, store_api_keys, write_get_pool
 from bench.run import CONNECTIONS, DEMO_PROVIDER
-from bench.scenarios import CREDENTIAL, SERVICE
+from bench.scenarios import SERVICE
 from bench.stack import REPO, StackError, create_service, fresh_database, migrated_config
 from tests.support.broker import BrokerConfig
+from tests.support.idp import IdpConfig, IdpError, IdpProcess, running_idp
 
 ISSUER = "https://idp.bench.invalid"  # never contacted: the credential fetch verifies no token
+PROOFED = "bench-proofed"  # the service with user_proof = "token"
+TOKEN_AUDIENCE = "https://sibling.bench.invalid/mcp"  # noqa: S105 (its token_audience)
+TOKEN_PATH = "/api/v1/token"  # noqa: S105 (a path)
+EXCHANGE = {
+    "grant_type": "urn:ietf:params:oauth:grant-type:token-exchange",
+    "subject_token_type": "urn:ietf:params:oauth:token-type:access_token",
+    "requested_token_type": "urn:connect-broker:credential:demo",
+}
+FORM = "application/x-www-form-urlencoded"
+SIDES = {  # the side's name: what it counts
+    "broker": "broker GET /credentials",
+    "bare": "bare",
+    "token-known": "broker POST /token, known token",
+    "token-new": "broker POST /token, new token",
+}
 USERS = 50
 WARMUP = 200
 CHILD_TIMEOUT = 900.0
 COLLECTED = re.compile(r"Collected : (\d+)")
+# a stored key, as GET /credentials (`"secret":"sk_…`) or the token exchange answers it
+_KEY = re.compile(rb'"(?:secret|access_token)":"sk_')
 
 Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+Sent = tuple[str, str, str]  # (bearer secret, path and query, form body or "" for a GET)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=CONNECTIONS,
         help="requests in flight at once (bench.run's wrk connections)",
+    )
+    parser.add_argument(
+        "--user-proof",
+        action="store_true",
+        help='also count POST /api/v1/token for a user_proof = "token" service (starts the IdP)',
     )
     # a run under callgrind: --child broker|bare --config FILE --pool FILE --measured N
     parser.add_argument("--child", choices=("broker", "bare"), help=argparse.SUPPRESS)
@@ -82,47 +116,90 @@ def main(argv: list[str] | None = None) -> int:
         print("valgrind is not installed: apt-get install valgrind", file=sys.stderr)
         return 2
     try:
-        with tempfile.TemporaryDirectory(prefix="broker-instructions-") as tmp:
-            per_request = _measure(valgrind, Path(tmp), args.requests, args.concurrency)
-    except StackError as exc:
+        with (
+            tempfile.TemporaryDirectory(prefix="broker-instructions-") as tmp,
+            contextlib.ExitStack() as stack,
+        ):
+            workdir = Path(tmp)
+            idp = None
+            if args.user_proof:
+                idp = stack.enter_context(running_idp(IdpConfig(), workdir))
+            per_request = _measure(valgrind, workdir, args.requests, args.concurrency, idp)
+    except (StackError, IdpError) as exc:
         print(f"instruction count failed: {exc}", file=sys.stderr)
         return 1
-    broker, bare = per_request["broker"], per_request["bare"]
-    print(
-        f"instructions per credential fetch, in-process, {args.requests} measured requests,"
-        f" {args.concurrency} at a time:"
-    )
-    print(f"  broker  {broker:>9,.0f}")
-    print(f"  bare    {bare:>9,.0f}")
-    print(f"  ratio   {bare / broker:.3f}x (bare / broker)")
+    print(report(per_request, args.requests, args.concurrency))
     return 0
 
 
-def _measure(valgrind: str, workdir: Path, requests: int, concurrency: int) -> dict[str, float]:
+def report(per_request: dict[str, float], requests: int, concurrency: int) -> str:
+    """The counts of each side measured, the bare / broker ratio, and what a token read adds
+    to the GET."""
+    broker, bare = per_request["broker"], per_request["bare"]
+    lines = [
+        f"instructions per credential read, in-process, {requests} measured requests,"
+        f" {concurrency} at a time:",
+        *(
+            f"  {SIDES[side]:<33} {per_request[side]:>9,.0f}"
+            + (f"  ({per_request[side] / broker:.2f}x the GET)" if side.startswith("token") else "")
+            for side in SIDES
+            if side in per_request
+        ),
+        f"  ratio {bare / broker:.3f}x (bare / broker GET)",
+    ]
+    return "\n".join(lines)
+
+
+def _measure(
+    valgrind: str, workdir: Path, requests: int, concurrency: int, idp: IdpProcess | None
+) -> dict[str, float]:
     """Set up the scenario on a fresh SQLite database, then count each side without and with
-    the measured requests (two runs at a time: the counts do not depend on the load)."""
+    the measured requests (two runs at a time: the counts do not depend on the load). With
+    `idp`, the token sides too."""
+    issuer = ISSUER if idp is None else idp.issuer
+    proofed = {PROOFED: {"user_proof": "token", "token_audience": TOKEN_AUDIENCE}}
     with fresh_database("sqlite", workdir) as url:
-        config = BrokerConfig(issuer=ISSUER, providers={"demo": DEMO_PROVIDER})
+        config = BrokerConfig(
+            issuer=issuer,
+            providers={"demo": DEMO_PROVIDER},
+            services=proofed if idp is not None else {},
+        )
         config_path = migrated_config(config, url, workdir, "broker")
         secret = create_service(config_path, SERVICE)
         subjects = [f"credential-{number}" for number in range(USERS)]
-        asyncio.run(store_api_keys(url, tuple(config.encryption), ISSUER, SERVICE, subjects))
-        pool = write_get_pool(
-            workdir / "pool.txt", ((secret, credential_path(ISSUER, s)) for s in subjects)
+        asyncio.run(store_api_keys(url, tuple(config.encryption), issuer, SERVICE, subjects))
+        get_pool = write_get_pool(
+            workdir / "pool.txt", ((secret, credential_path(issuer, s)) for s in subjects)
         )
+        pools = {"broker": get_pool, "bare": get_pool}
+        if idp is not None:
+            proofed_secret = create_service(config_path, PROOFED)
+            keys = tuple(config.encryption)
+            asyncio.run(store_api_keys(url, keys, issuer, PROOFED, subjects))
+            minter = TokenMinter(idp.signing_jwk, issuer=issuer, audience=TOKEN_AUDIENCE)
+            known = [minter.mint(subject) for subject in subjects]
+            new = [minter.mint(subjects[n % USERS]) for n in range(WARMUP + requests)]
+            pools["token-known"] = write_token_pool(workdir / "known.txt", proofed_secret, known)
+            pools["token-new"] = write_token_pool(workdir / "new.txt", proofed_secret, new)
         counts: dict[tuple[str, int], int] = {}
-        for side in ("broker", "bare"):
+        for side, pool in pools.items():
+            child = "bare" if side == "bare" else "broker"
             runs = {
                 (side, measured): _start_child(
-                    valgrind, side, config_path, pool, measured, concurrency
+                    valgrind, child, config_path, pool, measured, concurrency
                 )
                 for measured in (0, requests)
             }
             for run, process in runs.items():
                 counts[run] = _collected(run, process)
-    return {
-        side: (counts[side, requests] - counts[side, 0]) / requests for side in ("broker", "bare")
-    }
+    return {side: (counts[side, requests] - counts[side, 0]) / requests for side in pools}
+
+
+def write_token_pool(path: Path, secret: str, tokens: Sequence[str]) -> Path:
+    """A pool of token exchanges: (bearer secret, the token path, the form) lines."""
+    forms = (urlencode({**EXCHANGE, "subject_token": token}) for token in tokens)
+    path.write_text("".join(f"{secret}\t{TOKEN_PATH}\t{form}\n" for form in forms))
+    return path
 
 
 def _start_child(
@@ -162,8 +239,9 @@ def _collected(run: tuple[str, int], process: subprocess.Popen[str]) -> int:
 
 
 def _child(side: str, config_path: Path, pool: Path, measured: int, concurrency: int) -> int:
-    """Send WARMUP + `measured` requests of `pool` to one side's app, `concurrency` at a time;
-    1 if one is not a 200 with a stored key in it."""
+    """Send WARMUP + `measured` requests of `pool` to one side's app, `concurrency` at a time
+    (the broker's after one request alone: the first fetches the IdP's keys, and requests
+    arriving meanwhile would be refused); 1 if one is not a 200 with a stored key in it."""
     requests = [_request(line) for line in pool.read_text().splitlines()]
     if side == "bare":
         from bench.echo_app import app as bare
@@ -181,30 +259,37 @@ def _child(side: str, config_path: Path, pool: Path, measured: int, concurrency:
         return asyncio.run(_drive_served(app, host, requests, measured, concurrency))
 
 
-def _request(line: str) -> tuple[str, str]:
-    """(bearer secret, path and query) of a pool line (bench/pool.py's write_get_pool)."""
-    secret, _, target = line.partition("\t")
-    return secret, target
+def _request(line: str) -> Sent:
+    """(bearer secret, path and query, form) of a pool line: bench/pool.py's write_get_pool
+    (no form) or write_token_pool."""
+    secret, _, rest = line.partition("\t")
+    target, _, form = rest.partition("\t")
+    return secret, target, form
 
 
 async def _drive_served(
-    app: FastAPI, host: str, requests: Sequence[tuple[str, str]], measured: int, concurrency: int
+    app: FastAPI, host: str, requests: Sequence[Sent], measured: int, concurrency: int
 ) -> int:
     async with app.router.lifespan_context(app):
+        status, body = await _send(app, host, *requests[0])
+        if status != 200:
+            print(f"{requests[0][1]} answered {status}: {body[:300]!r}", file=sys.stderr)
+            return 1
         return await _drive(app, host, requests, measured, concurrency)
 
 
 async def _drive(
-    app: Asgi, host: str, requests: Sequence[tuple[str, str]], measured: int, concurrency: int
+    app: Asgi, host: str, requests: Sequence[Sent], measured: int, concurrency: int
 ) -> int:
     """The warm-up, then the measured requests, each in rounds of `concurrency` at once (so the
     rounds of the warm-up are the same whether requests are measured or not)."""
     for first, count in (*_rounds(0, WARMUP, concurrency), *_rounds(WARMUP, measured, concurrency)):
         chosen = [requests[number % len(requests)] for number in range(first, first + count)]
-        answers = await asyncio.gather(*(_get(app, host, *request) for request in chosen))
-        for (_, target), (status, body) in zip(chosen, answers, strict=True):
-            if status != 200 or CREDENTIAL.encode() not in body:
-                print(f"GET {target} answered {status}: {body[:300]!r}", file=sys.stderr)
+        answers = await asyncio.gather(*(_send(app, host, *request) for request in chosen))
+        for (_, target, form), (status, body) in zip(chosen, answers, strict=True):
+            if status != 200 or _KEY.search(body) is None:
+                method = "POST" if form else "GET"
+                print(f"{method} {target} answered {status}: {body[:300]!r}", file=sys.stderr)
                 return 1
     return 0
 
@@ -216,20 +301,25 @@ def _rounds(first: int, total: int, size: int) -> list[tuple[int, int]]:
     ]
 
 
-async def _get(app: Asgi, host: str, secret: str, target: str) -> tuple[int, bytes]:
-    """One GET through `app` as uvicorn would call it: (status, body)."""
+async def _send(app: Asgi, host: str, secret: str, target: str, form: str) -> tuple[int, bytes]:
+    """One request through `app` as uvicorn would call it, a POST of `form` if there is one,
+    else a GET: (status, body)."""
     path, _, query = target.partition("?")
+    body = form.encode()
+    headers = [(b"host", host.encode()), (b"authorization", f"Bearer {secret}".encode())]
+    if body:
+        headers += [(b"content-type", FORM.encode()), (b"content-length", str(len(body)).encode())]
     scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "GET",
+        "method": "POST" if body else "GET",
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "root_path": "",
-        "headers": [(b"host", host.encode()), (b"authorization", f"Bearer {secret}".encode())],
+        "headers": headers,
         "client": ("127.0.0.1", 40000),
         "server": ("127.0.0.1", 8000),
         "state": {},
@@ -237,7 +327,7 @@ async def _get(app: Asgi, host: str, secret: str, target: str) -> tuple[int, byt
     messages: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)

@@ -59,6 +59,7 @@ TOKEN_EXCHANGE = {  # RFC 8693 §2.1; requested_token_type names the provider
     "subject_token_type": "urn:ietf:params:oauth:token-type:access_token",
 }
 CREDENTIAL_TYPE = "urn:connect-broker:credential:"
+SUBJECT_TOKEN_HEADER = "Subject-Token"  # noqa: S105 (the header listing and disconnecting read)
 
 
 @dataclass(frozen=True)
@@ -171,22 +172,25 @@ class ConnectBroker:
 
     async def connections(self, ctx: Context[Any, Any]) -> list[dict[str, Any]]:
         """The caller's connections this service may read (provider, account, status, owner)."""
-        found = await self._call("GET", "/connections", params=_user(self.identity_claim))
+        found = await self._call("GET", "/connections", **self._caller())
         return list(found.get("connections", []))
 
     async def disconnect(self, ctx: Context[Any, Any], provider: str) -> bool:
         """Revoke upstream and delete this service's connection; False if there was none."""
         try:
-            await self._call(
-                "DELETE",
-                f"/connections/{quote(provider, safe='')}",
-                params=_user(self.identity_claim),
-            )
+            await self._call("DELETE", f"/connections/{quote(provider, safe='')}", **self._caller())
         except BrokerRefused as refused:
             if refused.code == "not_connected":
                 return False
             raise
         return True
+
+    def _caller(self) -> dict[str, dict[str, str]]:
+        """How a route that takes the user in the query learns the caller: the caller's access
+        token in a header (user_proof), else (issuer, identity claim) in the query."""
+        if self.user_proof:
+            return {"headers": {SUBJECT_TOKEN_HEADER: _subject_token()}}
+        return {"params": _user(self.identity_claim)}
 
     def _request(
         self, ctx: Context[Any, Any], scopes: Sequence[str], *, modern: bool
@@ -220,6 +224,7 @@ class ConnectBroker:
         *,
         params: Mapping[str, str] | None = None,
         form: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         try:
             response = await self._http.request(
@@ -228,7 +233,7 @@ class ConnectBroker:
                 json=body,
                 data=form,
                 params=params,
-                headers=self._headers,
+                headers={**self._headers, **(headers or {})},
             )
         except httpx2.HTTPError as exc:
             logger.warning("connect_broker.unreachable reason=%s", type(exc).__name__)

@@ -1,8 +1,9 @@
 """A sibling MCP server that lists the caller's GitHub repositories through Connect Broker.
 
-It is an ordinary official-SDK `MCPServer` with its own audience at the broker's IdP. Its one tool
-asks the broker for the caller's GitHub token; until the user has connected GitHub, the call
-answers the broker's URL-mode elicitation, and the client's retry gets the repositories.
+It is an ordinary official-SDK `MCPServer` with its own audience at the broker's IdP. Its tool
+`list_github_repos` asks the broker for the caller's GitHub token; until the user has connected
+GitHub, the call answers the broker's URL-mode elicitation, and the client's retry gets the
+repositories. `disconnect_github` deletes the caller's GitHub connection of this sibling.
 
     connect-broker service create repo-bot --providers github     # prints the service secret
     BROKER_URL=https://broker.example.com \\
@@ -84,7 +85,7 @@ class Repo(BaseModel):
 
 
 def build_server(config: SiblingConfig) -> MCPServer[Any]:
-    """The MCPServer with its token verifier, the broker's middleware and the tool."""
+    """The MCPServer with its token verifier, the broker's middleware and the tools."""
     broker = ConnectBroker(config.broker_url, config.service_secret, user_proof=config.user_proof)
     verifier = IdpTokenVerifier(config.issuer, config.audience)
     github = httpx2.AsyncClient(base_url=config.github_api_url, timeout=GITHUB_TIMEOUT_SECONDS)
@@ -130,6 +131,18 @@ def build_server(config: SiblingConfig) -> MCPServer[Any]:
             Repo(name=repo["name"], full_name=repo["full_name"], private=bool(repo["private"]))
             for repo in response.json()
         ]
+
+    @server.tool()
+    async def disconnect_github(ctx: Context[Any, Any]) -> str:
+        """Disconnect the signed-in user's GitHub account from this server (revoked at GitHub)."""
+        accounts = [
+            str(connection.get("account") or "unknown account")
+            for connection in await broker.connections(ctx)
+            if connection["provider"] == "github"
+        ]
+        if not await broker.disconnect(ctx, "github"):
+            return "GitHub was not connected through this server."
+        return f"Disconnected GitHub ({', '.join(accounts)})."
 
     return server
 

@@ -71,8 +71,8 @@ class UserProofRequired(BrokerError):
     title = "The user's own token is required"
     message = (
         "This service is configured with user_proof = 'token': it cannot name a user. Exchange"
-        " the user's access token at POST /api/v1/token, or send it as `subject_token` to"
-        " require and resume."
+        " the user's access token at POST /api/v1/token, send it as `subject_token` to require"
+        " and resume, or in the Subject-Token header to list and disconnect connections."
     )
 
 

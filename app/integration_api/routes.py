@@ -4,8 +4,9 @@ The credential fetch, its hot path, is a plain route of its own (credential_rout
 A sibling authenticates as itself (`Authorization: Bearer <service secret>`) and names the user
 it verified from its own MCP token; it never forwards that token, unless it is configured with
 `user_proof = "token"`: then it sends the token instead of naming the user (`subject_token` in
-require and resume, or the exchange at /api/v1/token), and the routes that take the user from the
-query refuse it (app/integration_api/user_proof.py). It asks for a credential and
+require and resume, the `Subject-Token` header to list and disconnect, or the exchange at
+/api/v1/token), and a user named instead is refused (app/integration_api/user_proof.py). It asks
+for a credential and
 gets either the credential, an input-required payload to return verbatim as its own
 `InputRequiredResult` (a URL-mode elicitation for a flow the page attributes to the sibling), or a
 missing-capability answer to turn into `-32021`. Connections it creates belong to its audience;
@@ -21,11 +22,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import credentials
+from app.auth.bearer import MAX_TOKEN_LENGTH
 from app.auth.principal import Principal
 from app.config import Settings
 from app.connect import disconnect as disconnection
@@ -123,12 +125,34 @@ router = APIRouter(
     responses=problem_responses(401, 422, 429),
 )
 UserIssuer = Annotated[
-    StorableText, Query(min_length=1, max_length=255, description="the user's `iss`")
+    StorableText | None,
+    Query(
+        min_length=1,
+        max_length=255,
+        description="the user's `iss`; required unless `Subject-Token` is sent",
+    ),
 ]
 NO_STORE = {"Cache-Control": "no-store"}  # on every answer that carries a credential
 UserSubject = Annotated[
-    StorableText,
-    Query(min_length=1, max_length=255, description="the user's identity claim (`sub`)"),
+    StorableText | None,
+    Query(
+        min_length=1,
+        max_length=255,
+        description="the user's identity claim (`sub`); required unless `Subject-Token` is sent",
+    ),
+]
+SUBJECT_TOKEN_HEADER = "Subject-Token"  # noqa: S105 (a header name)
+SubjectToken = Annotated[
+    str | None,
+    Header(
+        alias=SUBJECT_TOKEN_HEADER,
+        min_length=1,
+        max_length=MAX_TOKEN_LENGTH,
+        description=(
+            'the user\'s own access token, for a service with user_proof = "token" (it replaces'
+            " `issuer` and `subject`, which are then not read)"
+        ),
+    ),
 ]
 
 
@@ -214,15 +238,6 @@ def user_proofs(request: Request) -> UserProofs:
     return proofs
 
 
-def named_principal(
-    request: Request, settings: Settings, service: Service, issuer: str, subject: str
-) -> Principal:
-    """The user the query names, unless the service must prove its users (403)."""
-    if user_proofs(request).required(service.name):
-        raise UserProofRequired()
-    return known_principal(settings, issuer, subject)
-
-
 async def body_principal(
     request: Request, settings: Settings, service: Service, body: RequireRequest
 ) -> Principal:
@@ -239,6 +254,34 @@ async def body_principal(
         missing = {"loc": ("body", "user"), "msg": "Field required", "type": "missing"}
         raise RequestValidationError([missing])
     return known_principal(settings, body.user.issuer, body.user.subject)
+
+
+async def query_principal(
+    request: Request,
+    settings: Settings,
+    service: Service,
+    token: str | None,
+    issuer: str | None,
+    subject: str | None,
+) -> Principal:
+    """The user of a route that names users in the query: the one the `Subject-Token` header's
+    token stands for (the query's `issuer` and `subject` are then not read), else the one the
+    query names, unless the service must prove its users (403)."""
+    proofs = user_proofs(request)
+    if token is not None:
+        address = client_key(request.scope.get("client"))
+        return await proofs.principal(service, token, address)
+    if proofs.required(service.name):
+        raise UserProofRequired()
+    if issuer is None or subject is None:
+        raise RequestValidationError(
+            [
+                {"loc": ("query", name), "msg": "Field required", "type": "missing"}
+                for name, value in (("issuer", issuer), ("subject", subject))
+                if value is None
+            ]
+        )
+    return known_principal(settings, issuer, subject)
 
 
 @router.post(
@@ -290,17 +333,20 @@ def _not_stored(response: Response, outcome: ConnectOutcome) -> ConnectOutcome:
     return outcome
 
 
-@router.get("/connections", responses=problem_responses(400, 403))
+@router.get("/connections", responses=problem_responses(400, 403, 503))
 async def list_connections(
     request: Request,
     settings: SettingsDep,
     session: SessionDep,
     service: CallingService,
-    issuer: UserIssuer,
-    subject: UserSubject,
+    token: SubjectToken = None,
+    issuer: UserIssuer = None,
+    subject: UserSubject = None,
 ) -> ConnectionList:
-    """The user's connections this service can read: its own and those it shares from."""
-    principal = named_principal(request, settings, service, issuer, subject)
+    """The user's connections this service can read: its own and those it shares from. The
+    user is named by `issuer` and `subject`, or, for a service with `user_proof = "token"`, is
+    the one the `Subject-Token` header's access token stands for."""
+    principal = await query_principal(request, settings, service, token, issuer, subject)
     items = []
     for audience in service_audiences(settings, service.name):
         for row in await credentials.list_for(session, principal=principal, audience=audience):
@@ -317,7 +363,7 @@ async def list_connections(
     return ConnectionList(connections=items)
 
 
-@router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404))
+@router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404, 503))
 async def delete_connection(
     provider: str,
     request: Request,
@@ -325,15 +371,18 @@ async def delete_connection(
     revoker: RevokerDep,
     session: SessionDep,
     service: CallingService,
-    issuer: UserIssuer,
-    subject: UserSubject,
+    token: SubjectToken = None,
+    issuer: UserIssuer = None,
+    subject: UserSubject = None,
 ) -> Disconnection:
-    """Revoke upstream (where supported) and delete the service's own connection."""
+    """Revoke upstream (where supported) and delete the service's own connection of the user
+    named as `GET /connections` names them."""
     check_provider(settings, service, provider)
+    principal = await query_principal(request, settings, service, token, issuer, subject)
     outcome = await disconnection.disconnect(
         session,
         revoker,
-        principal=named_principal(request, settings, service, issuer, subject),
+        principal=principal,
         provider=provider,
         audience=service.name,
     )

@@ -918,6 +918,10 @@ API_OPERATIONS = {
     ("/api/v1/connections/{provider}", "delete"),
 }
 TOKEN_OPERATION = ("/api/v1/token", "post")  # RFC 8693: OAuth errors, not problem JSON
+QUERY_USER_OPERATIONS = {
+    ("/api/v1/connections", "get"),
+    ("/api/v1/connections/{provider}", "delete"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -996,6 +1000,26 @@ async def test_openapi_documents_the_six_integration_operations(openapi: dict[st
         assert exchange["responses"][status]["content"]["application/json"]["schema"] == {
             "$ref": "#/components/schemas/TokenError"
         }
+    for path, method in QUERY_USER_OPERATIONS:
+        parameters = {
+            (parameter["in"], parameter["name"]): parameter
+            for parameter in openapi["paths"][path][method]["parameters"]
+        }
+        # the user named in the query, or (user_proof = "token") their token in a header
+        assert {key for key in parameters if key[0] != "path"} == {
+            ("query", "issuer"),
+            ("query", "subject"),
+            ("header", "Subject-Token"),
+        }, path
+        for key in (("query", "issuer"), ("query", "subject"), ("header", "Subject-Token")):
+            assert parameters[key]["required"] is False, (path, key)
+        assert "Subject-Token" in parameters["query", "issuer"]["description"], path
+    credential_query = {
+        parameter["name"]
+        for parameter in openapi["paths"]["/api/v1/credentials/{provider}"]["get"]["parameters"]
+        if parameter["in"] != "path"
+    }
+    assert credential_query == {"issuer", "subject"}  # a user_proof service uses /token
     outcome = openapi["components"]["schemas"]["ConnectOutcome"]
     assert set(outcome["properties"]["status"]["enum"]) == {
         "connected",

@@ -351,6 +351,138 @@ async def test_malformed_exchanges_are_told_apart(
 
 
 # ------------------------------------------------------------------------------------------------
+# Listing and disconnecting: the user's token in the Subject-Token header
+# ------------------------------------------------------------------------------------------------
+
+
+async def listed(api: ServiceApi, token: str, **query: str) -> httpx2.Response:
+    return await api.http.get("/connections", params=query, headers={"Subject-Token": token})
+
+
+async def disconnected(
+    api: ServiceApi, token: str, provider: str = "demo", **query: str
+) -> httpx2.Response:
+    return await api.http.delete(
+        f"/connections/{provider}", params=query, headers={"Subject-Token": token}
+    )
+
+
+async def test_a_token_lists_and_disconnects_that_users_connections(
+    proof: ProofStack, proofed_api: ServiceApi, proof_db: AsyncEngine
+) -> None:
+    """GET /connections and DELETE /connections/{provider} with the user's token in the header:
+    the user's connections, then the connection deleted (a second delete finds none)."""
+    alice = fresh_user("alice")
+    await connect_with_token(proof, proofed_api, alice, KEY_A)
+    token = proof.token(alice)
+
+    before = ok(await listed(proofed_api, token))
+    deleted = ok(await disconnected(proofed_api, token))
+    after = ok(await listed(proofed_api, token))
+    again = await disconnected(proofed_api, token)
+
+    assert [(item["provider"], item["owner"]) for item in before["connections"]] == [
+        ("demo", PROOFED)
+    ]
+    assert deleted == {
+        "provider": "demo",
+        "status": "disconnected",
+        "revoked_upstream": False,
+        "upstream_failed": False,
+    }
+    assert after == {"connections": []}
+    problem(again, 404, "not_connected")
+    assert await count_rows(proof_db, "connections", subject=alice, audience=PROOFED) == 0
+    for answer in (before, deleted, after):
+        assert KEY_A not in str(answer)
+
+
+async def test_another_users_token_lists_and_disconnects_that_user_only_whoever_is_named(
+    proof: ProofStack, proofed_api: ServiceApi, proof_db: AsyncEngine
+) -> None:
+    """The user is taken from the token: the query's issuer and subject are not read, so naming
+    Alice beside Bob's token lists and deletes Bob's connection, never Alice's."""
+    alice, bob = fresh_user("alice"), fresh_user("bob")
+    await connect_with_token(proof, proofed_api, alice, KEY_A)
+    await connect_with_token(proof, proofed_api, bob, KEY_B)
+    bobs = proof.token(bob)
+    named = proof.user(alice)
+
+    bobs_list = ok(await listed(proofed_api, bobs, **named))
+    bobs_delete = ok(await disconnected(proofed_api, bobs, **named))
+    nothing_left = await disconnected(proofed_api, bobs, **named)
+    alices_list = ok(await listed(proofed_api, proof.token(alice)))
+
+    assert [item["provider"] for item in bobs_list["connections"]] == ["demo"]
+    assert bobs_delete["status"] == "disconnected"
+    problem(nothing_left, 404, "not_connected")
+    assert [item["provider"] for item in alices_list["connections"]] == ["demo"]
+    assert await count_rows(proof_db, "connections", subject=bob, audience=PROOFED) == 0
+    assert await count_rows(proof_db, "connections", subject=alice, audience=PROOFED) == 1
+
+
+async def test_a_bad_header_token_is_refused_by_its_type_and_changes_nothing(
+    proof: ProofStack, proofed_api: ServiceApi, proof_db: AsyncEngine
+) -> None:
+    """Another audience, expired, or forged: the refusal the token exchange gives, as problem
+    JSON, on both routes; each failure logged without the token; the connection stays."""
+    alice = fresh_user("alice")
+    await connect_with_token(proof, proofed_api, alice, KEY_A)
+    forged = mint_token(
+        generate_rsa_jwk(proof.stack.idp.signing_jwk["kid"]),
+        issuer=proof.stack.idp.issuer,
+        audience=proof.audience,
+        subject=alice,
+    )
+    cases = [
+        (proof.token(alice, audience=proof.broker.mcp_url), "subject_token_wrong_audience"),
+        (proof.token(alice, lifetime=-3600), "subject_token_expired"),
+        (forged, "subject_token_invalid"),
+    ]
+    window = LogWindow(proof.broker)
+
+    for token, code in cases:
+        problem(await listed(proofed_api, token), 400, code)
+        problem(await disconnected(proofed_api, token), 400, code)
+    await window.wait_for("service.user_proof_failed", 2 * len(cases))
+
+    log = window.text()
+    for token, code in cases:
+        assert f"service.user_proof_failed service={PROOFED} reason={code}" in log
+        assert token.rsplit(".", 1)[1] not in log
+    assert await count_rows(proof_db, "connections", subject=alice, audience=PROOFED) == 1
+
+
+async def test_the_header_is_refused_from_a_service_without_the_option(
+    proof: ProofStack, plain_api: ServiceApi, browser: Browser
+) -> None:
+    """A service that names its users gets user_proof_not_enabled for a Subject-Token header,
+    as for a `subject_token`, even beside a valid query; without the header, a query lacking
+    the user is 422 as before, and the named user's connections are listed."""
+    user = proof.user(fresh_user("erin"))
+    first, flow_id = input_required(await plain_api.require("demo", user))
+    await submit_api_key(browser, user["subject"], flow_id, KEY_A)
+    assert connected(await plain_api.resume("demo", user, first["requestState"]))["secret"] == KEY_A
+    token = proof.token(user["subject"])
+
+    with_header = [
+        await listed(plain_api, token, **user),
+        await disconnected(plain_api, token, **user),
+    ]
+    without_user = await plain_api.http.get("/connections")
+    named = ok(await plain_api.connections(user))
+
+    for answer in with_header:
+        problem(answer, 400, "user_proof_not_enabled")
+    body = problem(without_user, 422, "invalid_request")
+    assert {tuple(error["loc"]) for error in body["errors"]} == {
+        ("query", "issuer"),
+        ("query", "subject"),
+    }
+    assert [item["owner"] for item in named["connections"]] == [PLAIN]
+
+
+# ------------------------------------------------------------------------------------------------
 # The routes that name the user
 # ------------------------------------------------------------------------------------------------
 
@@ -358,8 +490,9 @@ async def test_malformed_exchanges_are_told_apart(
 async def test_routes_naming_the_user_refuse_a_proofed_service_and_change_nothing(
     proof: ProofStack, proofed_api: ServiceApi, proof_db: AsyncEngine
 ) -> None:
-    """GET /credentials, GET /connections, DELETE /connections: 403 user_proof_required, the
-    connection left in place; resume without a token is refused as require is."""
+    """GET /credentials, and GET /connections and DELETE /connections without the
+    Subject-Token header: 403 user_proof_required, the connection left in place; resume without
+    a token is refused as require is."""
     alice = fresh_user("alice")
     await connect_with_token(proof, proofed_api, alice, KEY_A)
     user = proof.user(alice)
@@ -500,12 +633,14 @@ def example_sibling(proof: ProofStack, log_path: Path) -> Iterator[subprocess.Po
             process.wait(10)
 
 
-async def test_the_example_sibling_with_user_proof_connects_and_lists_the_repos(
+async def test_the_example_sibling_with_user_proof_connects_lists_and_disconnects(
     proof: ProofStack, browser: Browser, proof_db: AsyncEngine
 ) -> None:
-    """The official client calls the example's tool with the user's token for the sibling; the
+    """The official client calls the example's tools with the user's token for the sibling; the
     helper sends that token (never the user's name) to require, resume and the exchange: the
-    call elicits, the user connects GitHub, the retry lists the repositories."""
+    call elicits, the user connects GitHub, the retry lists the repositories. Then
+    `disconnect_github` lists and disconnects with the token in the Subject-Token header: the
+    connection is gone, and a second call finds none."""
     user = fresh_user("dora")
     token = proof.token(user)
     urls: list[str] = []
@@ -532,14 +667,25 @@ async def test_the_example_sibling_with_user_proof_connects_and_lists_the_repos(
             ) as client,
         ):
             result = await client.call_tool("list_github_repos", {})
+            owned = await count_rows(
+                proof_db, "connections", subject=user, provider="github", audience=PROOFED
+            )
+            first = await client.call_tool("disconnect_github", {})
+            second = await client.call_tool("disconnect_github", {})
 
     answer = result.model_dump(by_alias=True, mode="json", exclude_none=True)
     assert answer.get("isError") is not True, answer
     names = [repo["name"] for repo in answer["structuredContent"]["result"]]
     assert names == ["hello-world", "spoon-knife", "secret-plans"]
     assert len(urls) == 1
-    owned = await count_rows(
-        proof_db, "connections", subject=user, provider="github", audience=PROOFED
-    )
     assert owned == 1
+    said = [
+        call.model_dump(by_alias=True, mode="json", exclude_none=True) for call in (first, second)
+    ]
+    assert [call.get("isError") is True for call in said] == [False, False], said
+    assert said[0]["structuredContent"]["result"].startswith("Disconnected GitHub ("), said
+    assert said[1]["structuredContent"]["result"] == (
+        "GitHub was not connected through this server."
+    )
+    assert await count_rows(proof_db, "connections", subject=user, audience=PROOFED) == 0
     assert token not in proof.broker.log() + log_path.read_text()
