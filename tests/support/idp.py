@@ -88,12 +88,28 @@ def public_jwk(jwk: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in jwk.items() if k in ("kty", "n", "e", "kid", "alg", "use")}
 
 
+# Listening ports are drawn below the kernel's ephemeral range (32768-60999 by default): a port
+# from bind(0) lies inside it, where any outgoing connection (a test's HTTP client, a database
+# connection) may take it as its local port between the check and the server's own bind.
+LISTEN_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (bind to port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed
+    out before, drawn at random so parallel test processes rarely meet."""
+    for _ in range(200):
+        port = secrets.choice(LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 def client_metadata(
