@@ -265,7 +265,9 @@ async def _retry_all(
         async def complete_some() -> None:
             await asyncio.sleep(wait * COMPLETE_AFTER)  # the retries are waiting by then
             chosen = [round_ for round_ in started if round_.subject in to_complete]
-            await complete_flows(prep, chosen)
+            # on a loop of its own: this one is busy with the waiting retries, and a database
+            # connect timed on it ran out before the loop came back to it (PostgreSQL)
+            await asyncio.to_thread(asyncio.run, complete_flows(prep, chosen))
             completed_at.append(time.monotonic())
 
         begun = time.monotonic()
