@@ -14,6 +14,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import request_id as request_ids
 from app.errors import BodyTooLarge
 from app.logsetup import sole_line_handler
 from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
@@ -153,6 +154,7 @@ class AccessLog:
             return
         request_id = f"{_PROCESS_TAG}{next(_sequence):08x}"
         scope.setdefault("state", {})["request_id"] = request_id
+        current = request_ids.current.set(request_id)  # for audit rows written meanwhile
         started = time.perf_counter()
         status = 500
 
@@ -165,6 +167,7 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
+            request_ids.current.reset(current)
             seconds = time.perf_counter() - started
             if self.metrics is not None:
                 self.metrics.request(_route(scope), scope["method"], status, seconds)

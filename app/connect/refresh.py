@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app import credentials
+from app import audit, credentials
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.oauth_service import OAuthGrants
@@ -162,6 +162,7 @@ class UsableCredentials:
             except oauth.InvalidGrant:
                 row.status = ConnectionStatus.needs_reauth
                 row.updated_at = utcnow()
+                await self._record(session, "credential.refresh_rejected", row)
                 self._security.event("credential.refresh_rejected", provider=provider)
                 return None
             except oauth.UpstreamError as exc:
@@ -176,5 +177,18 @@ class UsableCredentials:
                 scopes=tokens.scopes,
                 expires_at=tokens.expires_at,
             )
+            await self._record(session, "credential.refreshed", row)
             credential = credentials.as_credential(row, new_secret)
         return credential  # returned only after the commit above
+
+    @staticmethod
+    async def _record(session: AsyncSession, event: str, row: Connection) -> None:
+        await audit.record(
+            session,
+            event,
+            actor=audit.BROKER,
+            principal=Principal(row.issuer, row.subject),
+            provider=row.provider,
+            audience=row.audience,
+            account_label=row.account_label,
+        )

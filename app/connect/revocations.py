@@ -24,7 +24,8 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
-from app import credentials
+from app import audit, credentials
+from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import Keyring
 from app.metrics import RevocationBacklog
@@ -54,6 +55,19 @@ class Claimed:
     provider: str
     attempts: int  # made before this one
     secret: dict[str, str] | None = field(repr=False)
+    principal: Principal | None = None  # whose grant (for the audit event of its outcome)
+    audience: str | None = None
+
+    @classmethod
+    def of(cls, row: PendingRevocation, secret: dict[str, str] | None) -> Claimed:
+        return cls(
+            row.id,
+            row.provider,
+            row.attempts,
+            secret,
+            Principal(row.issuer, row.subject),
+            row.audience,
+        )
 
 
 def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
@@ -189,6 +203,15 @@ class Revoker:
             .where(PendingRevocation.id == claimed.id)
             .execution_options(synchronize_session=False)
         )
+        await audit.record(
+            session,
+            "revocation.confirmed" if failure is None else "revocation.abandoned",
+            actor=audit.BROKER,
+            principal=claimed.principal,
+            provider=claimed.provider,
+            audience=claimed.audience,
+            detail=f"attempts={attempts}" + (f" reason={failure}" if failure else ""),
+        )
         if failure is None:
             logger.info(
                 "revocation.confirmed provider=%s revocation=%d attempts=%d",
@@ -219,12 +242,4 @@ class Revoker:
     async def _claim_due(self) -> list[Claimed]:
         async with self._sessionmaker.begin() as session:
             rows = list((await session.execute(claim_due(utcnow()))).scalars())
-        return [
-            Claimed(
-                row.id,
-                row.provider,
-                row.attempts,
-                credentials.open_row(row, keys=self.sealing),
-            )
-            for row in rows
-        ]
+        return [Claimed.of(row, credentials.open_row(row, keys=self.sealing)) for row in rows]

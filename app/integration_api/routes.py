@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import credentials
+from app.audit import Actor
 from app.auth.principal import Principal
 from app.config import Settings
 from app.connect import disconnect as disconnection
@@ -295,6 +296,7 @@ async def delete_connection(
         principal=known_principal(settings, issuer, subject),
         provider=provider,
         audience=service.name,
+        actor=Actor.service(service.name),
     )
     if not outcome.existed:
         raise NotConnected()
