@@ -1,5 +1,5 @@
-"""The `connect-broker` commands that work on the configured database: `keys rotate`, `service …`
-and `revocations list`. Each runs in one committed transaction (`_with_session`)."""
+"""The `connect-broker` commands that work on the configured database: `keys rotate`, `service …`,
+`revocations list` and `audit list`. Each runs in one committed transaction (`_with_session`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,22 @@ from app.config import Settings, load_serve_settings
 
 
 def keys_rotate(args: argparse.Namespace) -> int:
+    from app import audit
     from app.credentials import reseal_all
     from app.crypto import Keyring
 
     settings = load_serve_settings(args.config)
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
-    count = _with_session(settings, lambda session: reseal_all(session, keys=keys))
-    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
+    key_id = keys.current()[0]
+
+    async def rotate(session: Any) -> int:
+        count = await reseal_all(session, keys=keys)
+        detail = f"key={key_id} resealed={count}"
+        await audit.record(session, "keys.rotated", actor=audit.CLI, detail=detail)
+        return count
+
+    count = _with_session(settings, rotate)
+    print(f"re-sealed {count} credential(s) with key {key_id}")
     return 0
 
 
@@ -128,3 +137,58 @@ def revocations_list(args: argparse.Namespace) -> int:
             f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}"
         )
     return 0
+
+
+AUDIT_LIMIT = 10_000  # rows `audit list` prints at most; narrow with --since or a filter
+
+
+def _usage_error(command: str, exc: Exception) -> int:
+    """A refused argument: one line naming it, exit 2 (like argparse's own usage errors)."""
+    argument = getattr(exc, "argument", "")
+    print(f"connect-broker {command}: error: argument {argument}: {exc}", file=sys.stderr)
+    return 2
+
+
+def audit_list(args: argparse.Namespace) -> int:
+    from app import cli_filters
+    from app.tables import audit as audit_table
+
+    try:
+        user = cli_filters.user(args.issuer, args.subject)
+        provider = cli_filters.text("--provider", args.provider)
+        since = cli_filters.since(args.since)
+    except cli_filters.BadArgument as exc:
+        return _usage_error("audit list", exc)
+    statement = audit_table.listing(
+        issuer=user[0] if user else None,
+        subject=user[1] if user else None,
+        provider=provider,
+        since=since,
+        limit=AUDIT_LIMIT,
+    )
+
+    async def rows(session: Any) -> list[Any]:
+        return list((await session.execute(statement)).scalars())
+
+    for row in _with_session(load_serve_settings(args.config), rows):
+        fields = (
+            row.actor_kind,
+            row.actor_id,
+            row.issuer,
+            row.subject,
+            row.provider,
+            row.audience,
+            row.account_label,
+            row.detail,
+            row.request_id,
+        )
+        shown = "\t".join(_cell(value) for value in fields)
+        print(f"{row.occurred_at:%Y-%m-%dT%H:%M:%SZ}\t{row.event}\t{shown}")
+    return 0
+
+
+def _cell(value: str | None) -> str:
+    """A column as one tab-separated cell: '-' when empty; tabs and line breaks escaped."""
+    if not value:
+        return "-"
+    return value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")

@@ -129,6 +129,19 @@ def _parser() -> argparse.ArgumentParser:
         "last error, next attempt, disconnected at",
     )
     pending_list.set_defaults(handler=admin.revocations_list)
+
+    audit = commands.add_parser("audit", help="lifecycle events (no secrets)")
+    audit_commands = audit.add_subparsers(required=True, metavar="ACTION")
+    audit_list = audit_commands.add_parser(
+        "list",
+        help="one line each, oldest first: time, event, actor kind, actor, issuer, subject, "
+        "provider, audience, account, detail, request id ('-' when empty)",
+    )
+    audit_list.add_argument("--issuer", help="only this user's events (with --subject)")
+    audit_list.add_argument("--subject")
+    audit_list.add_argument("--provider")
+    audit_list.add_argument("--since", help="ISO-8601 time (UTC if no offset) or 30m, 12h, 7d")
+    audit_list.set_defaults(handler=admin.audit_list)
     return parser
 
 

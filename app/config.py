@@ -182,6 +182,12 @@ class LimitSettings(_Section):
     failed_auth_burst: int = Field(default=30, ge=1)
 
 
+class AuditSettings(_Section):
+    """`[audit]`: how long lifecycle events are kept (app/audit.py)."""
+
+    retention_days: int = Field(default=90, ge=1, le=3650)
+
+
 class ServiceSettings(_Section):
     """`[services.<name>]`: what a registered sibling server may read beyond its own."""
 
@@ -200,6 +206,7 @@ class Settings:
     providers: Mapping[str, ProviderSettings]
     services: Mapping[str, ServiceSettings] = field(default_factory=dict)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
     source: str = "defaults"
 
     @property
@@ -288,6 +295,7 @@ MODELS: dict[str, type[_Section]] = {
     "identity": IdentitySettings,
     "keys": KeySettings,
     "limits": LimitSettings,
+    "audit": AuditSettings,
 }
 
 

@@ -20,6 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
+from app import audit
 from app.asgi_route import AsgiRoute
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
@@ -347,6 +348,14 @@ async def _housekeeping_forever(shared: Shared) -> None:
             await shared.revoker.sweep()
         except DATABASE_ERRORS as exc:
             logger.warning("revocation.sweep_failed error=%s", type(exc).__name__)
+        try:
+            swept = await audit.sweep(
+                shared.sessionmaker, retention_days=shared.settings.audit.retention_days
+            )
+            if swept:
+                logger.info("audit.swept deleted=%d", swept)
+        except DATABASE_ERRORS as exc:
+            logger.warning("audit.sweep_failed error=%s", type(exc).__name__)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 

@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from app.config import (
+    AuditSettings,
     DatabaseSettings,
     IdentitySettings,
     KeySettings,
@@ -45,6 +46,7 @@ TABLES: tuple[tuple[str, type[BaseModel], str, str | None], ...] = (
     ("`[identity]`", IdentitySettings, "identity", "BROKER_IDENTITY_"),
     ("`[keys]`", KeySettings, "keys", "BROKER_KEYS_"),
     ("`[limits]`", LimitSettings, "limits", "BROKER_LIMITS_"),
+    ("`[audit]`", AuditSettings, "audit", "BROKER_AUDIT_"),
     (
         '`[providers.<name>]` with `kind = "api_key"`',
         ApiKeyProviderSettings,
@@ -120,6 +122,8 @@ MEANINGS: dict[str, str] = {
     "client address (IPv6: its /64) may present a minute, per process; past it, 429. `0`: no "
     "limit",
     "limits.failed_auth_burst": "wrong credentials one address may present at once",
+    "audit.retention_days": "audit events older than this many days (1 to 3650) are deleted by the "
+    "housekeeping sweep (every minute, in each process); `connect-broker audit list` shows them",
     "providers.<name>.kind": "`api_key`, `oauth2` or `oidc` (a `preset` supplies it)",
     "providers.<name>.display_name": "the provider's name on pages and in tool results",
     "providers.<name>.label": "the label of the key's input field",
