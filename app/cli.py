@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_serve_settings(args.config)
     require_current(settings.database.connect_url())
     _require_free_port(args.host, args.port)
-    configure_logging()
+    configure_logging(json=settings.logging.format == "json")
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
             "serve.sqlite_workers workers=%d: SQLite is for one process. Each worker queues for "
@@ -248,7 +248,7 @@ def _dev(args: argparse.Namespace) -> int:
         devmode.save_state(args.data_dir, state)
         upgrade(settings.database.url)
         idp = devmode.dev_idp(args.data_dir, settings, state)
-        configure_logging()
+        configure_logging(json=settings.logging.format == "json")
         token = idp.mint("alice")
         print(devmode.dev_banner(settings, token, args.data_dir), flush=True)
         app = create_app(settings, dev_idp=idp)

@@ -188,6 +188,12 @@ class AuditSettings(_Section):
     retention_days: int = Field(default=90, ge=1, le=3650)
 
 
+class LoggingSettings(_Section):
+    """`[logging]`: the log lines' format (app/logsetup.py, app/logjson.py)."""
+
+    format: Literal["plain", "json"] = "plain"
+
+
 class ServiceSettings(_Section):
     """`[services.<name>]`: what a registered sibling server may read beyond its own."""
 
@@ -207,6 +213,7 @@ class Settings:
     services: Mapping[str, ServiceSettings] = field(default_factory=dict)
     limits: LimitSettings = field(default_factory=LimitSettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
     source: str = "defaults"
 
     @property
@@ -296,6 +303,7 @@ MODELS: dict[str, type[_Section]] = {
     "keys": KeySettings,
     "limits": LimitSettings,
     "audit": AuditSettings,
+    "logging": LoggingSettings,
 }
 
 

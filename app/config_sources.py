@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("server", "database", "identity", "keys", "limits", "audit")
+SECTIONS = ("server", "database", "identity", "keys", "limits", "audit", "logging")
 
 
 class ConfigError(Exception):

@@ -27,6 +27,7 @@ from app.config import (
     IdentitySettings,
     KeySettings,
     LimitSettings,
+    LoggingSettings,
     ServerSettings,
     ServiceSettings,
 )
@@ -47,6 +48,7 @@ TABLES: tuple[tuple[str, type[BaseModel], str, str | None], ...] = (
     ("`[keys]`", KeySettings, "keys", "BROKER_KEYS_"),
     ("`[limits]`", LimitSettings, "limits", "BROKER_LIMITS_"),
     ("`[audit]`", AuditSettings, "audit", "BROKER_AUDIT_"),
+    ("`[logging]`", LoggingSettings, "logging", "BROKER_LOGGING_"),
     (
         '`[providers.<name>]` with `kind = "api_key"`',
         ApiKeyProviderSettings,
@@ -122,6 +124,8 @@ MEANINGS: dict[str, str] = {
     "client address (IPv6: its /64) may present a minute, per process; past it, 429. `0`: no "
     "limit",
     "limits.failed_auth_burst": "wrong credentials one address may present at once",
+    "logging.format": "`plain`: one text line per record; `json`: one JSON object per line, "
+    "access lines included (fields in [operations](operations.md#logs)); `serve` and `dev`",
     "audit.retention_days": "audit events older than this many days (1 to 3650) are deleted by the "
     "housekeeping sweep (every minute, in each process); `connect-broker audit list` shows them",
     "providers.<name>.kind": "`api_key`, `oauth2` or `oidc` (a `preset` supplies it)",
