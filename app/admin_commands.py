@@ -1,5 +1,5 @@
 """The `connect-broker` commands that work on the configured database: `keys rotate`, `service …`,
-`revocations list` and `audit list`. Each runs in one committed transaction (`_with_session`)."""
+`revocations list` and `audit list`. Each runs in one committed transaction (`with_session`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def keys_rotate(args: argparse.Namespace) -> int:
         await audit.record(session, "keys.rotated", actor=audit.CLI, detail=detail)
         return count
 
-    count = _with_session(settings, rotate)
+    count = with_session(settings, rotate)
     print(f"re-sealed {count} credential(s) with key {key_id}")
     return 0
 
@@ -39,7 +39,7 @@ def _service_settings(args: argparse.Namespace) -> Settings:
     return load_serve_settings(args.config)
 
 
-def _with_session(settings: Settings, work: Any) -> Any:
+def with_session(settings: Settings, work: Any) -> Any:
     """Run `work(session)` in one committed transaction against the configured database."""
     import asyncio
 
@@ -89,7 +89,7 @@ def service_create(args: argparse.Namespace) -> int:
         )
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
     try:
-        secret = _with_session(
+        secret = with_session(
             settings,
             lambda session: services.create(
                 session, keys=keys, name=args.name, providers=providers
@@ -111,7 +111,7 @@ def service_create(args: argparse.Namespace) -> int:
 def service_list(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    for row in _with_session(_service_settings(args), services.list_all):
+    for row in with_session(_service_settings(args), services.list_all):
         state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
         print(f"{row.name}\t{row.providers or '*'}\t{state}")
     return 0
@@ -120,7 +120,7 @@ def service_list(args: argparse.Namespace) -> int:
 def service_revoke(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    done = _with_session(
+    done = with_session(
         _service_settings(args), lambda session: services.revoke(session, name=args.name)
     )
     print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
@@ -130,7 +130,7 @@ def service_revoke(args: argparse.Namespace) -> int:
 def revocations_list(args: argparse.Namespace) -> int:
     from app.connect import revocations
 
-    for row in _with_session(load_serve_settings(args.config), revocations.listing):
+    for row in with_session(load_serve_settings(args.config), revocations.listing):
         print(
             f"{row.id}\t{row.provider}\t{row.issuer}\t{row.subject}\t{row.attempts}\t"
             f"{row.last_error or '-'}\t{row.next_attempt_at:%Y-%m-%dT%H:%M:%SZ}\t"
@@ -142,7 +142,7 @@ def revocations_list(args: argparse.Namespace) -> int:
 AUDIT_LIMIT = 10_000  # rows `audit list` prints at most; narrow with --since or a filter
 
 
-def _usage_error(command: str, exc: Exception) -> int:
+def usage_error(command: str, exc: Exception) -> int:
     """A refused argument: one line naming it, exit 2 (like argparse's own usage errors)."""
     argument = getattr(exc, "argument", "")
     print(f"connect-broker {command}: error: argument {argument}: {exc}", file=sys.stderr)
@@ -158,7 +158,7 @@ def audit_list(args: argparse.Namespace) -> int:
         provider = cli_filters.text("--provider", args.provider)
         since = cli_filters.since(args.since)
     except cli_filters.BadArgument as exc:
-        return _usage_error("audit list", exc)
+        return usage_error("audit list", exc)
     statement = audit_table.listing(
         issuer=user[0] if user else None,
         subject=user[1] if user else None,
@@ -170,7 +170,7 @@ def audit_list(args: argparse.Namespace) -> int:
     async def rows(session: Any) -> list[Any]:
         return list((await session.execute(statement)).scalars())
 
-    for row in _with_session(load_serve_settings(args.config), rows):
+    for row in with_session(load_serve_settings(args.config), rows):
         fields = (
             row.actor_kind,
             row.actor_id,
@@ -182,12 +182,12 @@ def audit_list(args: argparse.Namespace) -> int:
             row.detail,
             row.request_id,
         )
-        shown = "\t".join(_cell(value) for value in fields)
+        shown = "\t".join(table_cell(value) for value in fields)
         print(f"{row.occurred_at:%Y-%m-%dT%H:%M:%SZ}\t{row.event}\t{shown}")
     return 0
 
 
-def _cell(value: str | None) -> str:
+def table_cell(value: str | None) -> str:
     """A column as one tab-separated cell: '-' when empty; tabs and line breaks escaped."""
     if not value:
         return "-"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from app import admin_commands as admin
 from app import devmode
+from app import operator_commands as operator
 from app.cli_errors import CommandFailed
 from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
@@ -142,7 +143,47 @@ def _parser() -> argparse.ArgumentParser:
     audit_list.add_argument("--provider")
     audit_list.add_argument("--since", help="ISO-8601 time (UTC if no offset) or 30m, 12h, 7d")
     audit_list.set_defaults(handler=admin.audit_list)
+    _operator_commands(commands)
     return parser
+
+
+def _operator_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`users erase`, `connections list|revoke`."""
+    users = commands.add_parser("users", help="what the broker holds about a user")
+    user_commands = users.add_subparsers(required=True, metavar="ACTION")
+    erase = user_commands.add_parser(
+        "erase",
+        help="revoke every grant (queued), delete the user's connections, flows, browser "
+        "sessions and audit events older than [audit] erase_hold_days; prints the counts",
+    )
+    _user_options(erase, required=True)
+    erase.set_defaults(handler=operator.users_erase)
+
+    connections = commands.add_parser("connections", help="stored connections (never secrets)")
+    connection_commands = connections.add_subparsers(required=True, metavar="ACTION")
+    listing = connection_commands.add_parser(
+        "list",
+        help="one line each: id, issuer, subject, provider, service ('mcp': the broker's own "
+        "tools), status, account, scopes, created, updated",
+    )
+    _user_options(listing, required=False)
+    listing.add_argument("--provider")
+    listing.add_argument("--service", help="the audience: a service's name, or mcp")
+    listing.set_defaults(handler=operator.connections_list)
+    revoke = connection_commands.add_parser(
+        "revoke", help="delete a connection; its grant's revocation is queued"
+    )
+    _user_options(revoke, required=True)
+    revoke.add_argument("--provider", required=True)
+    revoke.add_argument(
+        "--service", help="the service that made it (default: the broker's own tools, mcp)"
+    )
+    revoke.set_defaults(handler=operator.connections_revoke)
+
+
+def _user_options(command: argparse.ArgumentParser, *, required: bool) -> None:
+    command.add_argument("--issuer", required=required, help="the user's issuer (iss)")
+    command.add_argument("--subject", required=required, help="the user's subject")
 
 
 def _data_dir_option(command: argparse.ArgumentParser, default: Path | None) -> None:

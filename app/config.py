@@ -186,6 +186,21 @@ class AuditSettings(_Section):
     """`[audit]`: how long lifecycle events are kept (app/audit.py)."""
 
     retention_days: int = Field(default=90, ge=1, le=3650)
+    # an erased user's events this recent stay (for investigations), until the retention ends
+    erase_hold_days: int = Field(default=30, ge=0, le=3650)
+
+
+class AdminSettings(_Section):
+    """`[admin]`: the operators' HTTP API (app/integration_api/admin.py); unset, it is off."""
+
+    token: SecretStr | None = None
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+        return value
 
 
 class LoggingSettings(_Section):
@@ -214,6 +229,7 @@ class Settings:
     limits: LimitSettings = field(default_factory=LimitSettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
     source: str = "defaults"
 
     @property
@@ -304,6 +320,7 @@ MODELS: dict[str, type[_Section]] = {
     "limits": LimitSettings,
     "audit": AuditSettings,
     "logging": LoggingSettings,
+    "admin": AdminSettings,
 }
 
 

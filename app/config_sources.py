@@ -10,7 +10,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("server", "database", "identity", "keys", "limits", "audit", "logging")
+SECTIONS = (
+    "server",
+    "database",
+    "identity",
+    "keys",
+    "limits",
+    "audit",
+    "logging",
+    "admin",
+)
 
 
 class ConfigError(Exception):

@@ -49,6 +49,7 @@ from app.errors import (
     on_http_exception,
     on_unexpected_error,
 )
+from app.integration_api import admin as admin_routes
 from app.integration_api import credential_route
 from app.integration_api import routes as integration_routes
 from app.integration_api.broker import ConnectApi
@@ -315,6 +316,7 @@ def create_app(
     app.include_router(connect_pages.router)
     app.include_router(oauth_pages.router)
     app.include_router(integration_routes.router)
+    app.include_router(admin_routes.router)
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)
@@ -356,6 +358,7 @@ async def _housekeeping_forever(shared: Shared) -> None:
                 logger.info("audit.swept deleted=%d", swept)
         except DATABASE_ERRORS as exc:
             logger.warning("audit.sweep_failed error=%s", type(exc).__name__)
+
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
 
 

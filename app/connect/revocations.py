@@ -70,9 +70,10 @@ class Claimed:
         )
 
 
-def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
+def queue(session: AsyncSession, row: Connection, *, due_now: bool = False) -> PendingRevocation:
     """Queue the revocation of the grant in `row` (being deleted in the same transaction). Its
-    first attempt is the caller's: the sweep leaves it alone for CLAIM_SECONDS."""
+    first attempt is the caller's, and the sweep leaves it alone for CLAIM_SECONDS; unless
+    `due_now`: then the next sweep makes it."""
     now = utcnow()
     pending = PendingRevocation(
         issuer=row.issuer,
@@ -82,11 +83,21 @@ def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
         sealed_credential=row.sealed_credential,  # sealed for the same owner, provider, audience
         key_id=row.key_id,
         attempts=0,
-        next_attempt_at=now + timedelta(seconds=CLAIM_SECONDS),
+        next_attempt_at=now if due_now else now + timedelta(seconds=CLAIM_SECONDS),
         created_at=now,
     )
     session.add(pending)
     return pending
+
+
+def revocable(
+    providers: Mapping[str, ProviderSettings], provider: str
+) -> OAuthProviderSettings | None:
+    """The provider's settings if it can revoke a grant, else None."""
+    settings = providers.get(provider)
+    if isinstance(settings, OAuthProviderSettings) and settings.revokes:
+        return settings
+    return None
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -157,10 +168,7 @@ class Revoker:
 
     def revocable(self, provider: str) -> OAuthProviderSettings | None:
         """The provider's settings if it can revoke a grant, else None."""
-        settings = self._providers.get(provider)
-        if isinstance(settings, OAuthProviderSettings) and settings.revokes:
-            return settings
-        return None
+        return revocable(self._providers, provider)
 
     async def attempt(self, claimed: Claimed) -> str | None:
         """Ask the provider to revoke: None once it confirms, else why not."""

@@ -128,3 +128,31 @@ def remove(principal: Principal, provider: str, audience: str) -> Delete:
 
 def sealed_with_another_key(key_id: str) -> Select[Connection]:
     return select(Connection).where(Connection.key_id != key_id)
+
+
+def of_user(issuer: str, subject: str) -> Select[Connection]:
+    """Every connection of the user, through any audience, locked (PostgreSQL) for removal."""
+    return (
+        select(Connection)
+        .where(Connection.issuer == issuer, Connection.subject == subject)
+        .order_by(Connection.id)
+        .with_for_update()
+    )
+
+
+def listing(
+    *, issuer: str | None, subject: str | None, provider: str | None, audience: str | None
+) -> Select[Connection]:
+    """The connections matching every filter given, by user, provider and audience."""
+    wanted = {
+        Connection.issuer: issuer,
+        Connection.subject: subject,
+        Connection.provider: provider,
+        Connection.audience: audience,
+    }
+    conditions = [column == value for column, value in wanted.items() if value is not None]
+    return (
+        select(Connection)
+        .where(*conditions)
+        .order_by(Connection.issuer, Connection.subject, Connection.provider, Connection.audience)
+    )

@@ -265,3 +265,8 @@ def expired_before(cutoff: datetime) -> tuple[ColumnElement[bool], ...]:
 
 def remove(ids: Select[str]) -> Delete:
     return delete(Flow).where(Flow.id.in_(ids))
+
+
+def remove_of_owner(issuer: str, subject: str) -> Delete:
+    """Every flow of the user, whatever its status (an erasure)."""
+    return delete(Flow).where(Flow.issuer == issuer, Flow.subject == subject)
