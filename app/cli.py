@@ -164,7 +164,7 @@ def _operator_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     listing = connection_commands.add_parser(
         "list",
         help="one line each: id, issuer, subject, provider, service ('mcp': the broker's own "
-        "tools), status, account, scopes, created, updated",
+        "tools), status, account, scopes, created, updated, last used (day)",
     )
     _user_options(listing, required=False)
     listing.add_argument("--provider")

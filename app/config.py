@@ -203,6 +203,12 @@ class AdminSettings(_Section):
         return value
 
 
+class ConnectionSettings(_Section):
+    """`[connections]`: connections unused this long are revoked by the housekeeping."""
+
+    max_idle_days: int | None = Field(default=None, ge=1, le=3650)
+
+
 class LoggingSettings(_Section):
     """`[logging]`: the log lines' format (app/logsetup.py, app/logjson.py)."""
 
@@ -230,6 +236,7 @@ class Settings:
     audit: AuditSettings = field(default_factory=AuditSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
+    connections: ConnectionSettings = field(default_factory=ConnectionSettings)
     source: str = "defaults"
 
     @property
@@ -321,6 +328,7 @@ MODELS: dict[str, type[_Section]] = {
     "audit": AuditSettings,
     "logging": LoggingSettings,
     "admin": AdminSettings,
+    "connections": ConnectionSettings,
 }
 
 

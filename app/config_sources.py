@@ -19,6 +19,7 @@ SECTIONS = (
     "audit",
     "logging",
     "admin",
+    "connections",
 )
 
 

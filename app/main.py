@@ -30,6 +30,7 @@ from app.collector import settle_for_serving
 from app.config import Settings
 from app.connect import service as flows
 from app.connect.context import RoundContext
+from app.connect.idle import UsageLog, revoke_idle
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
@@ -95,6 +96,7 @@ class Shared:
     security: SecurityLog
     oauth_grants: OAuthGrants
     revoker: Revoker
+    usage: UsageLog  # connections used, written by the housekeeping
     mcp_server: McpServer
     connect_api: ConnectApi
     service_secrets: ServiceSecrets
@@ -142,6 +144,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         sessionmaker=sessionmaker,
         security=security,
     )
+    usage = UsageLog()
     credentials = UsableCredentials(
         store=store,
         sessionmaker=sessionmaker,
@@ -151,6 +154,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         # half of the pool (pool_size + as many overflow): a slow provider never takes it all
         call_slots=asyncio.Semaphore(settings.database.pool_size),
         security=security,
+        usage=usage,
     )
     rounds = RoundContext(settings, store, sessionmaker, notifier, credentials)
     codec = RequestStateCodec(keys.signing, max_age=settings.server.flow_ttl_seconds)
@@ -174,6 +178,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         security=security,
         oauth_grants=grants,
         revoker=revoker,
+        usage=usage,
         mcp_server=McpServer(
             settings=settings,
             verifier=TokenVerifier(
@@ -358,8 +363,27 @@ async def _housekeeping_forever(shared: Shared) -> None:
                 logger.info("audit.swept deleted=%d", swept)
         except DATABASE_ERRORS as exc:
             logger.warning("audit.sweep_failed error=%s", type(exc).__name__)
-
+        await _connections_housekeeping(shared)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
+
+
+async def _connections_housekeeping(shared: Shared) -> None:
+    """Write the connections used meanwhile; then, with `[connections] max_idle_days`, revoke
+    the idle ones."""
+    try:
+        await shared.usage.flush(shared.sessionmaker)
+        max_idle_days = shared.settings.connections.max_idle_days
+        if max_idle_days is not None:
+            revoked = await revoke_idle(
+                shared.sessionmaker,
+                max_idle_days=max_idle_days,
+                sealing=shared.keys.sealing,
+                providers=shared.settings.providers,
+            )
+            if revoked:
+                logger.info("connections.idle_revoked count=%d", revoked)
+    except DATABASE_ERRORS as exc:
+        logger.warning("connections.housekeeping_failed error=%s", type(exc).__name__)
 
 
 async def _resource_metadata(settings: SettingsDep) -> Response:

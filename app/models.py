@@ -136,6 +136,9 @@ class Connection(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # the day (midnight UTC) it was last used, written by the housekeeping from what each
+    # process noted (app/connect/idle.py), never by the credential fetch itself
+    last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     def __repr__(self) -> str:
         return f"Connection(id={self.id}, provider={self.provider!r}, status={self.status!r})"

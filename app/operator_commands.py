@@ -67,11 +67,12 @@ def connections_list(args: argparse.Namespace) -> int:
         return list((await session.execute(statement)).scalars())
 
     for row in with_session(load_serve_settings(args.config), rows):
+        used = f"{row.last_used_at:%Y-%m-%d}" if row.last_used_at else "-"
         cells = (row.issuer, row.subject, row.provider, row.audience, row.status)
         print(
             f"{row.id}\t" + "\t".join(table_cell(value) for value in cells) + "\t"
             f"{table_cell(row.account_label)}\t{table_cell(row.scopes)}\t"
-            f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}\t{row.updated_at:%Y-%m-%dT%H:%M:%SZ}"
+            f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}\t{row.updated_at:%Y-%m-%dT%H:%M:%SZ}\t{used}"
         )
     return 0
 

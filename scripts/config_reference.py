@@ -24,6 +24,7 @@ from pydantic_core import PydanticUndefined
 from app.config import (
     AdminSettings,
     AuditSettings,
+    ConnectionSettings,
     DatabaseSettings,
     IdentitySettings,
     KeySettings,
@@ -51,6 +52,7 @@ TABLES: tuple[tuple[str, type[BaseModel], str, str | None], ...] = (
     ("`[audit]`", AuditSettings, "audit", "BROKER_AUDIT_"),
     ("`[logging]`", LoggingSettings, "logging", "BROKER_LOGGING_"),
     ("`[admin]`", AdminSettings, "admin", "BROKER_ADMIN_"),
+    ("`[connections]`", ConnectionSettings, "connections", "BROKER_CONNECTIONS_"),
     (
         '`[providers.<name>]` with `kind = "api_key"`',
         ApiKeyProviderSettings,
@@ -133,6 +135,9 @@ MEANINGS: dict[str, str] = {
     "sweep deletes them later. `0`: every event of the user goes",
     "admin.token": "bearer token (32+ characters) of the operators' HTTP API under "
     "`/api/v1/admin` (`token_file` for a mounted file); unset, that API answers 404",
+    "connections.max_idle_days": "connections not used for this many whole days are revoked "
+    "(revocation queued) and deleted by the housekeeping, with a `connection.idle_revoked` "
+    "audit event; unset: never",
     "audit.retention_days": "audit events older than this many days (1 to 3650) are deleted by the "
     "housekeeping sweep (every minute, in each process); `connect-broker audit list` shows them",
     "providers.<name>.kind": "`api_key`, `oauth2` or `oidc` (a `preset` supplies it)",

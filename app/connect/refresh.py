@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app import audit, credentials
 from app.auth.principal import Principal
 from app.clock import utcnow
+from app.connect.idle import UsageLog
 from app.connect.oauth_service import OAuthGrants
 from app.credentials import Credential
 from app.crypto import Keyring
@@ -67,6 +68,7 @@ class UsableCredentials:
         grants: OAuthGrants,
         call_slots: asyncio.Semaphore,
         security: SecurityLog,
+        usage: UsageLog | None = None,
     ) -> None:
         self._store = store
         self._sessionmaker = sessionmaker
@@ -75,6 +77,7 @@ class UsableCredentials:
         self._grants = grants
         self._call_slots = call_slots
         self._security = security
+        self._usage = usage if usage is not None else UsageLog()
 
     async def usable(
         self,
@@ -94,6 +97,7 @@ class UsableCredentials:
             )
         if row is None or row.status != ConnectionStatus.active:
             return None
+        self._usage.note(row.id)  # in memory: written by the housekeeping (app/connect/idle.py)
         secret = credentials.open_row(row, keys=self._sealing)
         if secret is None:
             return None

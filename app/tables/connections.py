@@ -6,6 +6,7 @@ read beside something else: alone, with a flow, with the service that made it.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -14,12 +15,15 @@ from sqlalchemy import (
     Insert,
     Select,
     Text,
+    Update,
     and_,
     bindparam,
     delete,
     func,
+    or_,
     select,
     true,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -155,4 +159,31 @@ def listing(
         select(Connection)
         .where(*conditions)
         .order_by(Connection.issuer, Connection.subject, Connection.provider, Connection.audience)
+    )
+
+
+def idle_since(cutoff: datetime, size: int) -> Select[Connection]:
+    """Up to `size` connections neither used nor made since `cutoff`, locked (PostgreSQL),
+    skipping rows another transaction holds."""
+    last_seen = func.coalesce(Connection.last_used_at, Connection.created_at)
+    return (
+        select(Connection)
+        .where(last_seen < cutoff)
+        .order_by(Connection.id)
+        .limit(size)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def mark_used(ids: list[int], day: datetime) -> Update:
+    """Record `day` as the last use of the connections `ids` not recorded as used on it yet
+    (another process may have)."""
+    return (
+        update(Connection)
+        .where(
+            Connection.id.in_(ids),
+            or_(Connection.last_used_at.is_(None), Connection.last_used_at < day),
+        )
+        .values(last_used_at=day)
+        .execution_options(synchronize_session=False)
     )
