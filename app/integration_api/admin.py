@@ -84,8 +84,11 @@ async def operator(
         raise InvalidAdminToken()
 
 
+# Not in /api/v1/openapi.json: that document is the siblings' contract; this API is documented
+# for operators in docs/operations.md.
 router = APIRouter(
     prefix="/api/v1/admin",
+    include_in_schema=False,
     tags=["admin"],
     route_class=ProblemRoute,
     dependencies=[Depends(operator)],
