@@ -139,7 +139,7 @@ def revocations_list(args: argparse.Namespace) -> int:
     return 0
 
 
-AUDIT_LIMIT = 10_000  # rows `audit list` prints at most; narrow with --since or a filter
+AUDIT_LIMIT = 10_000  # the most recent rows `audit list` prints; narrow with --since or a filter
 
 
 def usage_error(command: str, exc: Exception) -> int:
@@ -168,7 +168,7 @@ def audit_list(args: argparse.Namespace) -> int:
     )
 
     async def rows(session: Any) -> list[Any]:
-        return list((await session.execute(statement)).scalars())
+        return list((await session.execute(statement)).scalars())[::-1]  # oldest first
 
     for row in with_session(load_serve_settings(args.config), rows):
         fields = (

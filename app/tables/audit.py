@@ -17,7 +17,6 @@ from sqlalchemy import (
     Insert,
     Select,
     Text,
-    and_,
     bindparam,
     case,
     delete,
@@ -101,7 +100,7 @@ def listing(
     since: datetime | None,
     limit: int,
 ) -> Select[Any]:
-    """The events matching every filter given, oldest first."""
+    """The `limit` most recent events matching every filter given, newest first."""
     conditions: list[ColumnElement[bool]] = []
     if issuer is not None:
         conditions.append(AuditEvent.issuer == issuer)
@@ -113,8 +112,8 @@ def listing(
         conditions.append(AuditEvent.occurred_at >= since)
     return (
         select(AuditEvent)
-        .where(and_(True, *conditions))
-        .order_by(AuditEvent.occurred_at, AuditEvent.id)
+        .where(*conditions)
+        .order_by(AuditEvent.occurred_at.desc(), AuditEvent.id.desc())
         .limit(limit)
     )
 
