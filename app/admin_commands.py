@@ -1,5 +1,5 @@
-"""The `connect-broker` commands that work on the configured database: `keys rotate`, `service …`
-and `revocations list`. Each runs in one committed transaction (`_with_session`)."""
+"""The `connect-broker` commands that work on the configured database: `keys rotate`, `service …`,
+`revocations list` and `audit list`. Each runs in one committed transaction (`with_session`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,22 @@ from app.config import Settings, load_serve_settings
 
 
 def keys_rotate(args: argparse.Namespace) -> int:
+    from app import audit
     from app.credentials import reseal_all
     from app.crypto import Keyring
 
     settings = load_serve_settings(args.config)
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
-    count = _with_session(settings, lambda session: reseal_all(session, keys=keys))
-    print(f"re-sealed {count} credential(s) with key {keys.current()[0]}")
+    key_id = keys.current()[0]
+
+    async def rotate(session: Any) -> int:
+        count = await reseal_all(session, keys=keys)
+        detail = f"key={key_id} resealed={count}"
+        await audit.record(session, "keys.rotated", actor=audit.CLI, detail=detail)
+        return count
+
+    count = with_session(settings, rotate)
+    print(f"re-sealed {count} credential(s) with key {key_id}")
     return 0
 
 
@@ -30,7 +39,7 @@ def _service_settings(args: argparse.Namespace) -> Settings:
     return load_serve_settings(args.config)
 
 
-def _with_session(settings: Settings, work: Any) -> Any:
+def with_session(settings: Settings, work: Any) -> Any:
     """Run `work(session)` in one committed transaction against the configured database."""
     import asyncio
 
@@ -80,7 +89,7 @@ def service_create(args: argparse.Namespace) -> int:
         )
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
     try:
-        secret = _with_session(
+        secret = with_session(
             settings,
             lambda session: services.create(
                 session, keys=keys, name=args.name, providers=providers
@@ -102,7 +111,7 @@ def service_create(args: argparse.Namespace) -> int:
 def service_list(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    for row in _with_session(_service_settings(args), services.list_all):
+    for row in with_session(_service_settings(args), services.list_all):
         state = f"revoked {row.revoked_at:%Y-%m-%d}" if row.revoked_at else "active"
         print(f"{row.name}\t{row.providers or '*'}\t{state}")
     return 0
@@ -111,7 +120,7 @@ def service_list(args: argparse.Namespace) -> int:
 def service_revoke(args: argparse.Namespace) -> int:
     from app.integration_api import services
 
-    done = _with_session(
+    done = with_session(
         _service_settings(args), lambda session: services.revoke(session, name=args.name)
     )
     print(f"service {args.name!r} " + ("revoked" if done else "not found or already revoked"))
@@ -121,10 +130,65 @@ def service_revoke(args: argparse.Namespace) -> int:
 def revocations_list(args: argparse.Namespace) -> int:
     from app.connect import revocations
 
-    for row in _with_session(load_serve_settings(args.config), revocations.listing):
+    for row in with_session(load_serve_settings(args.config), revocations.listing):
         print(
             f"{row.id}\t{row.provider}\t{row.issuer}\t{row.subject}\t{row.attempts}\t"
             f"{row.last_error or '-'}\t{row.next_attempt_at:%Y-%m-%dT%H:%M:%SZ}\t"
             f"{row.created_at:%Y-%m-%dT%H:%M:%SZ}"
         )
     return 0
+
+
+AUDIT_LIMIT = 10_000  # the most recent rows `audit list` prints; narrow with --since or a filter
+
+
+def usage_error(command: str, exc: Exception) -> int:
+    """A refused argument: one line naming it, exit 2 (like argparse's own usage errors)."""
+    argument = getattr(exc, "argument", "")
+    print(f"connect-broker {command}: error: argument {argument}: {exc}", file=sys.stderr)
+    return 2
+
+
+def audit_list(args: argparse.Namespace) -> int:
+    from app import cli_filters
+    from app.tables import audit as audit_table
+
+    try:
+        user = cli_filters.user(args.issuer, args.subject)
+        provider = cli_filters.text("--provider", args.provider)
+        since = cli_filters.since(args.since)
+    except cli_filters.BadArgument as exc:
+        return usage_error("audit list", exc)
+    statement = audit_table.listing(
+        issuer=user[0] if user else None,
+        subject=user[1] if user else None,
+        provider=provider,
+        since=since,
+        limit=AUDIT_LIMIT,
+    )
+
+    async def rows(session: Any) -> list[Any]:
+        return list((await session.execute(statement)).scalars())[::-1]  # oldest first
+
+    for row in with_session(load_serve_settings(args.config), rows):
+        fields = (
+            row.actor_kind,
+            row.actor_id,
+            row.issuer,
+            row.subject,
+            row.provider,
+            row.audience,
+            row.account_label,
+            row.detail,
+            row.request_id,
+        )
+        shown = "\t".join(table_cell(value) for value in fields)
+        print(f"{row.occurred_at:%Y-%m-%dT%H:%M:%SZ}\t{row.event}\t{shown}")
+    return 0
+
+
+def table_cell(value: str | None) -> str:
+    """A column as one tab-separated cell: '-' when empty; tabs and line breaks escaped."""
+    if not value:
+        return "-"
+    return value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from app import admin_commands as admin
 from app import devmode
+from app import operator_commands as operator
 from app.cli_errors import CommandFailed
 from app.config import ConfigError, config_path, load_serve_settings, load_settings
 from app.crypto import generate_key
@@ -129,7 +130,60 @@ def _parser() -> argparse.ArgumentParser:
         "last error, next attempt, disconnected at",
     )
     pending_list.set_defaults(handler=admin.revocations_list)
+
+    audit = commands.add_parser("audit", help="lifecycle events (no secrets)")
+    audit_commands = audit.add_subparsers(required=True, metavar="ACTION")
+    audit_list = audit_commands.add_parser(
+        "list",
+        help="one line each, oldest first: time, event, actor kind, actor, issuer, subject, "
+        "provider, audience, account, detail, request id ('-' when empty)",
+    )
+    audit_list.add_argument("--issuer", help="only this user's events (with --subject)")
+    audit_list.add_argument("--subject")
+    audit_list.add_argument("--provider")
+    audit_list.add_argument("--since", help="ISO-8601 time (UTC if no offset) or 30m, 12h, 7d")
+    audit_list.set_defaults(handler=admin.audit_list)
+    _operator_commands(commands)
     return parser
+
+
+def _operator_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`users erase`, `connections list|revoke`."""
+    users = commands.add_parser("users", help="what the broker holds about a user")
+    user_commands = users.add_subparsers(required=True, metavar="ACTION")
+    erase = user_commands.add_parser(
+        "erase",
+        help="revoke every grant (queued), delete the user's connections, flows, browser "
+        "sessions and audit events older than [audit] erase_hold_days; prints the counts",
+    )
+    _user_options(erase, required=True)
+    erase.set_defaults(handler=operator.users_erase)
+
+    connections = commands.add_parser("connections", help="stored connections (never secrets)")
+    connection_commands = connections.add_subparsers(required=True, metavar="ACTION")
+    listing = connection_commands.add_parser(
+        "list",
+        help="one line each: id, issuer, subject, provider, service ('mcp': the broker's own "
+        "tools), status, account, scopes, created, updated, last used (day)",
+    )
+    _user_options(listing, required=False)
+    listing.add_argument("--provider")
+    listing.add_argument("--service", help="the audience: a service's name, or mcp")
+    listing.set_defaults(handler=operator.connections_list)
+    revoke = connection_commands.add_parser(
+        "revoke", help="delete a connection; its grant's revocation is queued"
+    )
+    _user_options(revoke, required=True)
+    revoke.add_argument("--provider", required=True)
+    revoke.add_argument(
+        "--service", help="the service that made it (default: the broker's own tools, mcp)"
+    )
+    revoke.set_defaults(handler=operator.connections_revoke)
+
+
+def _user_options(command: argparse.ArgumentParser, *, required: bool) -> None:
+    command.add_argument("--issuer", required=required, help="the user's issuer (iss)")
+    command.add_argument("--subject", required=required, help="the user's subject")
 
 
 def _data_dir_option(command: argparse.ArgumentParser, default: Path | None) -> None:
@@ -154,7 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_serve_settings(args.config)
     require_current(settings.database.connect_url())
     _require_free_port(args.host, args.port)
-    configure_logging()
+    configure_logging(json=settings.logging.format == "json")
     if args.workers > 1 and is_sqlite(settings.database.url):
         logging.getLogger("broker").warning(
             "serve.sqlite_workers workers=%d: SQLite is for one process. Each worker queues for "
@@ -235,7 +289,7 @@ def _dev(args: argparse.Namespace) -> int:
         devmode.save_state(args.data_dir, state)
         upgrade(settings.database.url)
         idp = devmode.dev_idp(args.data_dir, settings, state)
-        configure_logging()
+        configure_logging(json=settings.logging.format == "json")
         token = idp.mint("alice")
         print(devmode.dev_banner(settings, token, args.data_dir), flush=True)
         app = create_app(settings, dev_idp=idp)

@@ -182,6 +182,39 @@ class LimitSettings(_Section):
     failed_auth_burst: int = Field(default=30, ge=1)
 
 
+class AuditSettings(_Section):
+    """`[audit]`: how long lifecycle events are kept (app/audit.py)."""
+
+    retention_days: int = Field(default=90, ge=1, le=3650)
+    # an erased user's events this recent stay (for investigations), until the retention ends
+    erase_hold_days: int = Field(default=30, ge=0, le=3650)
+
+
+class AdminSettings(_Section):
+    """`[admin]`: the operators' HTTP API (app/integration_api/admin.py); unset, it is off."""
+
+    token: SecretStr | None = None
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+        return value
+
+
+class ConnectionSettings(_Section):
+    """`[connections]`: connections unused this long are revoked by the housekeeping."""
+
+    max_idle_days: int | None = Field(default=None, ge=1, le=3650)
+
+
+class LoggingSettings(_Section):
+    """`[logging]`: the log lines' format (app/logsetup.py, app/logjson.py)."""
+
+    format: Literal["plain", "json"] = "plain"
+
+
 class ServiceSettings(_Section):
     """`[services.<name>]`: what a registered sibling server may read beyond its own, and how it
     proves the user it asks for."""
@@ -224,6 +257,10 @@ class Settings:
     providers: Mapping[str, ProviderSettings]
     services: Mapping[str, ServiceSettings] = field(default_factory=dict)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
+    connections: ConnectionSettings = field(default_factory=ConnectionSettings)
     source: str = "defaults"
 
     @property
@@ -312,6 +349,10 @@ MODELS: dict[str, type[_Section]] = {
     "identity": IdentitySettings,
     "keys": KeySettings,
     "limits": LimitSettings,
+    "audit": AuditSettings,
+    "logging": LoggingSettings,
+    "admin": AdminSettings,
+    "connections": ConnectionSettings,
 }
 
 

@@ -10,7 +10,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("server", "database", "identity", "keys", "limits")
+SECTIONS = (
+    "server",
+    "database",
+    "identity",
+    "keys",
+    "limits",
+    "audit",
+    "logging",
+    "admin",
+    "connections",
+)
 
 
 class ConfigError(Exception):

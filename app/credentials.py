@@ -18,7 +18,7 @@ from typing import Protocol
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import jsonbytes
+from app import audit, jsonbytes
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
@@ -95,7 +95,8 @@ async def store(
     account_label: str | None = None,
     expires_at: datetime | None = None,
 ) -> None:
-    """Insert or replace the sealed credential for (principal, provider, audience)."""
+    """Insert or replace the sealed credential for (principal, provider, audience); recorded as
+    the user's `credential.stored` (the user completes a flow in their browser)."""
     sealed = seal(
         json.dumps(secret).encode(), purpose=_purpose(principal, provider, audience), keys=keys
     )
@@ -116,6 +117,15 @@ async def store(
     }
     dialect = session.bind.dialect.name if session.bind else "sqlite"
     await session.execute(connections_table.upsert(dialect, values))
+    await audit.record(
+        session,
+        "credential.stored",
+        actor=audit.Actor.user(principal),
+        principal=principal,
+        provider=provider,
+        audience=audience,
+        account_label=account_label,
+    )
 
 
 async def find(

@@ -167,11 +167,14 @@ def buffered_stderr() -> TextIO:
     )
 
 
-def configure_logging(stream: TextIO | None = None) -> None:
-    """INFO and above, one line each, to `stream` (default: stderr)."""
+def configure_logging(stream: TextIO | None = None, *, json: bool = False) -> None:
+    """INFO and above, one line each, to `stream` (default: stderr); with `json`, each line a
+    JSON object (app/logjson.py)."""
+    from app.logjson import JsonFormatter
+
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
     handler = TurnFlushedHandler(stream if stream is not None else buffered_stderr())
-    handler.setFormatter(LineFormatter())
+    handler.setFormatter(JsonFormatter() if json else LineFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler])

@@ -20,6 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
+from app import audit
 from app.asgi_route import AsgiRoute
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
@@ -29,6 +30,7 @@ from app.collector import settle_for_serving
 from app.config import Settings
 from app.connect import service as flows
 from app.connect.context import RoundContext
+from app.connect.idle import UsageLog, revoke_idle
 from app.connect.notify import FlowNotifier, PostgresFlowNotifier
 from app.connect.oauth_service import OAuthGrants
 from app.connect.refresh import UsableCredentials
@@ -48,6 +50,7 @@ from app.errors import (
     on_http_exception,
     on_unexpected_error,
 )
+from app.integration_api import admin as admin_routes
 from app.integration_api import credential_route, token_exchange
 from app.integration_api import routes as integration_routes
 from app.integration_api.broker import ConnectApi
@@ -94,6 +97,7 @@ class Shared:
     security: SecurityLog
     oauth_grants: OAuthGrants
     revoker: Revoker
+    usage: UsageLog  # connections used, written by the housekeeping
     mcp_server: McpServer
     connect_api: ConnectApi
     service_secrets: ServiceSecrets
@@ -142,6 +146,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         sessionmaker=sessionmaker,
         security=security,
     )
+    usage = UsageLog()
     credentials = UsableCredentials(
         store=store,
         sessionmaker=sessionmaker,
@@ -151,6 +156,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         # half of the pool (pool_size + as many overflow): a slow provider never takes it all
         call_slots=asyncio.Semaphore(settings.database.pool_size),
         security=security,
+        usage=usage,
     )
     rounds = RoundContext(settings, store, sessionmaker, notifier, credentials)
     codec = RequestStateCodec(keys.signing, max_age=settings.server.flow_ttl_seconds)
@@ -174,6 +180,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         security=security,
         oauth_grants=grants,
         revoker=revoker,
+        usage=usage,
         mcp_server=McpServer(
             settings=settings,
             verifier=TokenVerifier(
@@ -318,6 +325,7 @@ def create_app(
     app.include_router(oauth_pages.router)
     app.include_router(integration_routes.router)
     app.include_router(token_exchange.router)
+    app.include_router(admin_routes.router)
     if dev_idp is not None:
         app.include_router(dev_idp.router())
     app.add_exception_handler(BrokerError, on_broker_error)
@@ -351,7 +359,35 @@ async def _housekeeping_forever(shared: Shared) -> None:
             await shared.revoker.sweep()
         except DATABASE_ERRORS as exc:
             logger.warning("revocation.sweep_failed error=%s", type(exc).__name__)
+        try:
+            swept = await audit.sweep(
+                shared.sessionmaker, retention_days=shared.settings.audit.retention_days
+            )
+            if swept:
+                logger.info("audit.swept deleted=%d", swept)
+        except DATABASE_ERRORS as exc:
+            logger.warning("audit.sweep_failed error=%s", type(exc).__name__)
+        await _connections_housekeeping(shared)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
+
+
+async def _connections_housekeeping(shared: Shared) -> None:
+    """Write the connections used meanwhile; then, with `[connections] max_idle_days`, revoke
+    the idle ones."""
+    try:
+        await shared.usage.flush(shared.sessionmaker)
+        max_idle_days = shared.settings.connections.max_idle_days
+        if max_idle_days is not None:
+            revoked = await revoke_idle(
+                shared.sessionmaker,
+                max_idle_days=max_idle_days,
+                sealing=shared.keys.sealing,
+                providers=shared.settings.providers,
+            )
+            if revoked:
+                logger.info("connections.idle_revoked count=%d", revoked)
+    except DATABASE_ERRORS as exc:
+        logger.warning("connections.housekeeping_failed error=%s", type(exc).__name__)
 
 
 async def _resource_metadata(settings: SettingsDep) -> Response:

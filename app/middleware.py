@@ -14,6 +14,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import request_id as request_ids
 from app.errors import BodyTooLarge
 from app.logsetup import sole_line_handler
 from app.metrics import UNMATCHED_ROUTE, BrokerMetrics
@@ -153,6 +154,7 @@ class AccessLog:
             return
         request_id = f"{_PROCESS_TAG}{next(_sequence):08x}"
         scope.setdefault("state", {})["request_id"] = request_id
+        current = request_ids.current.set(request_id)  # for audit rows written meanwhile
         started = time.perf_counter()
         status = 500
 
@@ -165,25 +167,42 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
+            request_ids.current.reset(current)
             seconds = time.perf_counter() - started
             if self.metrics is not None:
                 self.metrics.request(_route(scope), scope["method"], status, seconds)
-            handler = sole_line_handler(access_logger, logging.INFO)
-            if handler is not None:
-                line = (
-                    f"{scope['method']} {_safe_path(scope['path'])} {status}"
-                    f" {seconds * 1000:.1f}ms rid={request_id}"
-                )
-                handler.write_plain(logging.INFO, access_logger.name, line)
-            elif access_logger.isEnabledFor(logging.INFO):
-                access_logger.info(
-                    "%s %s %d %.1fms rid=%s",
-                    scope["method"],
-                    _safe_path(scope["path"]),
-                    status,
-                    seconds * 1000,
-                    request_id,
-                )
+            _log_access(scope, status, seconds, request_id)
+
+
+def _log_access(scope: Scope, status: int, seconds: float, request_id: str) -> None:
+    """The access line: written straight by the sole line handler when there is one (the hot
+    case), else through the logger, with its parts as fields for a JSON formatter."""
+    handler = sole_line_handler(access_logger, logging.INFO)
+    if handler is not None:
+        line = (
+            f"{scope['method']} {_safe_path(scope['path'])} {status}"
+            f" {seconds * 1000:.1f}ms rid={request_id}"
+        )
+        handler.write_plain(logging.INFO, access_logger.name, line)
+    elif access_logger.isEnabledFor(logging.INFO):
+        path = _safe_path(scope["path"])
+        milliseconds = seconds * 1000
+        fields = {
+            "method": scope["method"],
+            "path": path,
+            "status": status,
+            "duration_ms": round(milliseconds, 1),
+            "request_id": request_id,
+        }
+        access_logger.info(
+            "%s %s %d %.1fms rid=%s",
+            scope["method"],
+            path,
+            status,
+            milliseconds,
+            request_id,
+            extra={"access": fields},
+        )
 
 
 def _route(scope: Scope) -> str:

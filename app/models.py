@@ -136,6 +136,9 @@ class Connection(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # the day (midnight UTC) it was last used, written by the housekeeping from what each
+    # process noted (app/connect/idle.py), never by the credential fetch itself
+    last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     def __repr__(self) -> str:
         return f"Connection(id={self.id}, provider={self.provider!r}, status={self.status!r})"
@@ -195,3 +198,37 @@ class ServiceClient(Base):
 
     def __repr__(self) -> str:
         return f"ServiceClient(name={self.name!r})"
+
+
+class ActorKind(StrEnum):
+    user = "user"  # the end user, through the broker's MCP endpoint or pages
+    service = "service"  # a sibling MCP server, through the integration API
+    operator = "operator"  # a person running the CLI or calling the admin API
+    broker = "broker"  # the broker on its own: refreshes, sweeps, retries
+
+
+class AuditEvent(Base):
+    """One lifecycle event: who did what to whose connection or flow. Never a secret.
+
+    `issuer`/`subject` name the user the event concerns (None for service and key events);
+    `detail` is a short, broker-made reason (a failure code, a count), never request input.
+    """
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_user", "issuer", "subject", "occurred_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    occurred_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    event: Mapped[str] = mapped_column(String(64))
+    actor_kind: Mapped[str] = mapped_column(String(16))
+    actor_id: Mapped[str] = mapped_column(String(511))
+    issuer: Mapped[str | None] = mapped_column(String(255))
+    subject: Mapped[str | None] = mapped_column(String(255))
+    provider: Mapped[str | None] = mapped_column(String(64))
+    audience: Mapped[str | None] = mapped_column(String(64))
+    account_label: Mapped[str | None] = mapped_column(String(255))
+    detail: Mapped[str | None] = mapped_column(String(128))
+    request_id: Mapped[str | None] = mapped_column(String(32))
+
+    def __repr__(self) -> str:
+        return f"AuditEvent(id={self.id}, event={self.event!r})"

@@ -22,10 +22,14 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from app.config import (
+    AdminSettings,
+    AuditSettings,
+    ConnectionSettings,
     DatabaseSettings,
     IdentitySettings,
     KeySettings,
     LimitSettings,
+    LoggingSettings,
     ServerSettings,
     ServiceSettings,
 )
@@ -45,6 +49,10 @@ TABLES: tuple[tuple[str, type[BaseModel], str, str | None], ...] = (
     ("`[identity]`", IdentitySettings, "identity", "BROKER_IDENTITY_"),
     ("`[keys]`", KeySettings, "keys", "BROKER_KEYS_"),
     ("`[limits]`", LimitSettings, "limits", "BROKER_LIMITS_"),
+    ("`[audit]`", AuditSettings, "audit", "BROKER_AUDIT_"),
+    ("`[logging]`", LoggingSettings, "logging", "BROKER_LOGGING_"),
+    ("`[admin]`", AdminSettings, "admin", "BROKER_ADMIN_"),
+    ("`[connections]`", ConnectionSettings, "connections", "BROKER_CONNECTIONS_"),
     (
         '`[providers.<name>]` with `kind = "api_key"`',
         ApiKeyProviderSettings,
@@ -120,6 +128,18 @@ MEANINGS: dict[str, str] = {
     "client address (IPv6: its /64) may present a minute, per process; past it, 429. `0`: no "
     "limit",
     "limits.failed_auth_burst": "wrong credentials one address may present at once",
+    "logging.format": "`plain`: one text line per record; `json`: one JSON object per line, "
+    "access lines included (fields in [operations](operations.md#logs)); `serve` and `dev`",
+    "audit.erase_hold_days": "an erasure (`users erase`, `DELETE /api/v1/admin/users`) keeps "
+    "the user's audit events of the last this many days, for investigations; the retention "
+    "sweep deletes them later. `0`: every event of the user goes",
+    "admin.token": "bearer token (32+ characters) of the operators' HTTP API under "
+    "`/api/v1/admin` (`token_file` for a mounted file); unset, that API answers 404",
+    "connections.max_idle_days": "connections not used for this many whole days are revoked "
+    "(revocation queued) and deleted by the housekeeping, with a `connection.idle_revoked` "
+    "audit event; unset: never",
+    "audit.retention_days": "audit events older than this many days (1 to 3650) are deleted by the "
+    "housekeeping sweep (every minute, in each process); `connect-broker audit list` shows them",
     "providers.<name>.kind": "`api_key`, `oauth2` or `oidc` (a `preset` supplies it)",
     "providers.<name>.display_name": "the provider's name on pages and in tool results",
     "providers.<name>.label": "the label of the key's input field",

@@ -78,6 +78,10 @@ UNREACHABLE = "postgresql://broker:pw@127.0.0.1:{port}/broker"
         ("service", "create", "svc"),
         ("service", "revoke", "svc"),
         ("revocations", "list"),
+        ("audit", "list"),
+        ("users", "erase", "--issuer", "https://idp", "--subject", "alice"),
+        ("connections", "list"),
+        ("connections", "revoke", "--issuer", "https://idp", "--subject", "a", "--provider", "p"),
     ],
 )
 def test_an_unreachable_database_is_one_line(args: tuple[str, ...], tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from app.direct import sqlite as sqlite_store
 from app.direct.compiled import Compiled
 from app.direct.records import RowReader
 from app.tables import Rows
+from app.tables import audit as audit_table
 from app.tables import connections as connections_table
 from app.tables import flows as flows_table
 from app.tables import services as services_table
@@ -156,9 +157,14 @@ def test_the_stores_run_the_statements_of_the_tables() -> None:
     pairs: list[tuple[Compiled, Select[Any] | Insert, str]] = [
         (sqlite_store.FIND_CONNECTION, connections_table.find_one(), "sqlite"),
         (sqlite_store.INSERT_FLOW, flows_table.insert_one(), "sqlite"),
+        (sqlite_store.RECORD_NEW_FLOW, audit_table.for_new_flow(), "sqlite"),
         (sqlite_store.GET_FLOW_AND_CONNECTION, flows_table.read_one(), "sqlite"),
         (postgres_store.FIND_CONNECTIONS, connections_table.find_many(), "postgresql"),
-        (postgres_store.INSERT_FLOWS, flows_table.insert_many(), "postgresql"),
+        (
+            postgres_store.INSERT_FLOWS,
+            audit_table.with_new_flows(flows_table.insert_many()),
+            "postgresql",
+        ),
         (postgres_store.GET_FLOWS_AND_CONNECTIONS, flows_table.read_many(), "postgresql"),
     ]
     for compiled, statement, dialect in pairs:

@@ -110,6 +110,16 @@ class BrowserSessions:
         await session.execute(delete(LoginSession).where(LoginSession.expires_at <= utcnow()))
 
 
+async def end_all(session: AsyncSession, principal: Principal) -> int:
+    """End every browser session of the user (an erasure); how many there were."""
+    result = await session.execute(
+        delete(LoginSession).where(
+            LoginSession.issuer == principal.issuer, LoginSession.subject == principal.subject
+        )
+    )
+    return int(getattr(result, "rowcount", 0))
+
+
 def set_cookie(response: Response, name: str, value: str, *, max_age: int) -> None:
     """`__Host-` cookies need Secure everywhere; loopback http is a secure context for browsers."""
     response.set_cookie(

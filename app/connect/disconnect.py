@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import credentials
+from app import audit, credentials
+from app.audit import Actor
 from app.auth.principal import Principal
 from app.connect import revocations
 from app.connect.revocations import Revoker
@@ -37,9 +38,10 @@ async def disconnect(
     principal: Principal,
     provider: str,
     audience: str,
+    actor: Actor,
 ) -> Disconnected:
-    """Delete the connection (queueing its revocation) and commit `session`, then ask the
-    provider to revoke the grant."""
+    """Delete the connection (queueing its revocation) and commit `session` (with the `actor`'s
+    `connection.disconnected` event), then ask the provider to revoke the grant."""
     row = await credentials.find(
         session, principal=principal, provider=provider, audience=audience, for_update=True
     )
@@ -48,10 +50,19 @@ async def disconnect(
     secret = credentials.open_row(row, keys=revoker.sealing)
     pending = revocations.queue(session, row) if secret and revoker.revocable(provider) else None
     await credentials.remove(session, principal=principal, provider=provider, audience=audience)
+    await audit.record(
+        session,
+        "connection.disconnected",
+        actor=actor,
+        principal=principal,
+        provider=provider,
+        audience=audience,
+        account_label=row.account_label,
+    )
     await session.commit()  # flushes `pending`: its id is set
     if pending is None:
         return Disconnected(existed=True, revoked_upstream=False, upstream_failed=False)
-    claimed = revocations.Claimed(pending.id, provider, attempts=0, secret=secret)
+    claimed = revocations.Claimed.of(pending, secret)
     failure = await revoker.attempt(claimed)
     if failure is not None:
         logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, failure)

@@ -22,6 +22,7 @@ from joserfc.jwt import JWTClaimsRegistry
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import credentials
+from app.audit import Actor
 from app.auth.jwks import JwksUnavailable, ProviderIssuers
 from app.clock import utcnow
 from app.connect import service as flows
@@ -209,6 +210,8 @@ class OAuthGrants:
             from_statuses=(FlowStatus.exchanging,),
             to_status=FlowStatus.completed,
             only_unexpired=False,
+            event="flow.completed",
+            actor=Actor.user(flow.principal),
             sealed_pkce_verifier=None,
             account_label=label,
             failure=None,
@@ -238,9 +241,9 @@ class OAuthGrants:
         user can start again. Only known RFC 6749 codes are kept (the value is request input).
         """
         if error == "access_denied":
-            to_status, failure = FlowStatus.declined, None
+            to_status, failure, event = FlowStatus.declined, None, "flow.declined"
         else:
-            to_status = FlowStatus.pending
+            to_status, event = FlowStatus.pending, None
             failure = f"authorize_error:{error}" if error in AUTHORIZE_ERRORS else "authorize_error"
         if await flows.transition(
             session,
@@ -248,6 +251,8 @@ class OAuthGrants:
             principal=flow.principal,
             from_statuses=(FlowStatus.authorizing,),
             to_status=to_status,
+            event=event,
+            actor=Actor.user(flow.principal),
             sealed_pkce_verifier=None,
             failure=failure,
         ):

@@ -18,9 +18,10 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app import credentials
+from app import audit, credentials
 from app.auth.principal import Principal
 from app.clock import utcnow
+from app.connect.idle import UsageLog
 from app.connect.oauth_service import OAuthGrants
 from app.credentials import Credential
 from app.crypto import Keyring
@@ -67,6 +68,7 @@ class UsableCredentials:
         grants: OAuthGrants,
         call_slots: asyncio.Semaphore,
         security: SecurityLog,
+        usage: UsageLog | None = None,
     ) -> None:
         self._store = store
         self._sessionmaker = sessionmaker
@@ -75,6 +77,7 @@ class UsableCredentials:
         self._grants = grants
         self._call_slots = call_slots
         self._security = security
+        self._usage = usage if usage is not None else UsageLog()
 
     async def usable(
         self,
@@ -94,6 +97,7 @@ class UsableCredentials:
             )
         if row is None or row.status != ConnectionStatus.active:
             return None
+        self._usage.note(row.id)  # in memory: written by the housekeeping (app/connect/idle.py)
         secret = credentials.open_row(row, keys=self._sealing)
         if secret is None:
             return None
@@ -162,6 +166,7 @@ class UsableCredentials:
             except oauth.InvalidGrant:
                 row.status = ConnectionStatus.needs_reauth
                 row.updated_at = utcnow()
+                await self._record(session, "credential.refresh_rejected", row)
                 self._security.event("credential.refresh_rejected", provider=provider)
                 return None
             except oauth.UpstreamError as exc:
@@ -176,5 +181,18 @@ class UsableCredentials:
                 scopes=tokens.scopes,
                 expires_at=tokens.expires_at,
             )
+            await self._record(session, "credential.refreshed", row)
             credential = credentials.as_credential(row, new_secret)
         return credential  # returned only after the commit above
+
+    @staticmethod
+    async def _record(session: AsyncSession, event: str, row: Connection) -> None:
+        await audit.record(
+            session,
+            event,
+            actor=audit.BROKER,
+            principal=Principal(row.issuer, row.subject),
+            provider=row.provider,
+            audience=row.audience,
+            account_label=row.account_label,
+        )

@@ -24,7 +24,8 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
-from app import credentials
+from app import audit, credentials
+from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import Keyring
 from app.metrics import RevocationBacklog
@@ -54,11 +55,25 @@ class Claimed:
     provider: str
     attempts: int  # made before this one
     secret: dict[str, str] | None = field(repr=False)
+    principal: Principal | None = None  # whose grant (for the audit event of its outcome)
+    audience: str | None = None
+
+    @classmethod
+    def of(cls, row: PendingRevocation, secret: dict[str, str] | None) -> Claimed:
+        return cls(
+            row.id,
+            row.provider,
+            row.attempts,
+            secret,
+            Principal(row.issuer, row.subject),
+            row.audience,
+        )
 
 
-def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
+def queue(session: AsyncSession, row: Connection, *, due_now: bool = False) -> PendingRevocation:
     """Queue the revocation of the grant in `row` (being deleted in the same transaction). Its
-    first attempt is the caller's: the sweep leaves it alone for CLAIM_SECONDS."""
+    first attempt is the caller's, and the sweep leaves it alone for CLAIM_SECONDS; unless
+    `due_now`: then the next sweep makes it."""
     now = utcnow()
     pending = PendingRevocation(
         issuer=row.issuer,
@@ -68,11 +83,21 @@ def queue(session: AsyncSession, row: Connection) -> PendingRevocation:
         sealed_credential=row.sealed_credential,  # sealed for the same owner, provider, audience
         key_id=row.key_id,
         attempts=0,
-        next_attempt_at=now + timedelta(seconds=CLAIM_SECONDS),
+        next_attempt_at=now if due_now else now + timedelta(seconds=CLAIM_SECONDS),
         created_at=now,
     )
     session.add(pending)
     return pending
+
+
+def revocable(
+    providers: Mapping[str, ProviderSettings], provider: str
+) -> OAuthProviderSettings | None:
+    """The provider's settings if it can revoke a grant, else None."""
+    settings = providers.get(provider)
+    if isinstance(settings, OAuthProviderSettings) and settings.revokes:
+        return settings
+    return None
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -143,10 +168,7 @@ class Revoker:
 
     def revocable(self, provider: str) -> OAuthProviderSettings | None:
         """The provider's settings if it can revoke a grant, else None."""
-        settings = self._providers.get(provider)
-        if isinstance(settings, OAuthProviderSettings) and settings.revokes:
-            return settings
-        return None
+        return revocable(self._providers, provider)
 
     async def attempt(self, claimed: Claimed) -> str | None:
         """Ask the provider to revoke: None once it confirms, else why not."""
@@ -189,6 +211,15 @@ class Revoker:
             .where(PendingRevocation.id == claimed.id)
             .execution_options(synchronize_session=False)
         )
+        await audit.record(
+            session,
+            "revocation.confirmed" if failure is None else "revocation.abandoned",
+            actor=audit.BROKER,
+            principal=claimed.principal,
+            provider=claimed.provider,
+            audience=claimed.audience,
+            detail=f"attempts={attempts}" + (f" reason={failure}" if failure else ""),
+        )
         if failure is None:
             logger.info(
                 "revocation.confirmed provider=%s revocation=%d attempts=%d",
@@ -219,12 +250,4 @@ class Revoker:
     async def _claim_due(self) -> list[Claimed]:
         async with self._sessionmaker.begin() as session:
             rows = list((await session.execute(claim_due(utcnow()))).scalars())
-        return [
-            Claimed(
-                row.id,
-                row.provider,
-                row.attempts,
-                credentials.open_row(row, keys=self.sealing),
-            )
-            for row in rows
-        ]
+        return [Claimed.of(row, credentials.open_row(row, keys=self.sealing)) for row in rows]

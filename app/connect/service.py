@@ -17,6 +17,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import audit, request_id
+from app.audit import Actor
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.crypto import random_token
@@ -123,6 +125,7 @@ async def create(
         args_digest=args_digest,
         created_at=now,
         expires_at=now + timedelta(seconds=ttl_seconds),
+        request_id=request_id.current.get(),
     )
     inserted = await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS_PER_USER)
     if not inserted:
@@ -173,9 +176,14 @@ async def transition(
     from_statuses: tuple[str, ...],
     to_status: str,
     only_unexpired: bool = True,
+    event: str | None = None,
+    actor: Actor | None = None,
     **values: object,
 ) -> bool:
-    """Move the flow if (and only if) it is in one of `from_statuses`; True for the winner."""
+    """Move the flow if (and only if) it is in one of `from_statuses`; True for the winner.
+
+    With `event`, the winner also records it (in the same transaction), by `actor` (default: who
+    speaks for the flow's audience, app/audit.py)."""
     now = utcnow()
     completed = {"completed_at": now} if to_status == FlowStatus.completed else {}
     statement = flows_table.transition(
@@ -185,8 +193,23 @@ async def transition(
         unexpired_at=now if only_unexpired else None,
         values={"status": to_status, "updated_at": now, **completed, **values},
     )
-    result = await session.execute(statement)
-    return bool(getattr(result, "rowcount", 0))
+    if event is None:
+        result = await session.execute(statement)
+        return bool(getattr(result, "rowcount", 0))
+    moved = statement.returning(Flow.provider, Flow.audience, Flow.account_label)
+    row = (await session.execute(moved)).first()
+    if row is None:
+        return False
+    await audit.record(
+        session,
+        event,
+        actor=actor or Actor.for_audience(principal, row.audience),
+        principal=principal,
+        provider=row.provider,
+        audience=row.audience,
+        account_label=row.account_label,
+    )
+    return True
 
 
 async def end_by_client(
@@ -200,6 +223,7 @@ async def end_by_client(
         from_statuses=OPEN_FLOW_STATUSES,
         to_status=status,
         only_unexpired=False,
+        event=f"flow.{status}",
         state_digest=None,
         sealed_pkce_verifier=None,
     )
@@ -225,12 +249,39 @@ async def purge(sessions: async_sessionmaker[AsyncSession]) -> tuple[int, int]:
     fails every minute, nor holds SQLite's write lock for seconds. Returns (expired, deleted).
     """
     now = utcnow()
-    expired = await _in_chunks(sessions, flows_table.expire(now), flows_table.open_past_expiry(now))
+    expired = await _expire_in_chunks(sessions, now)
     async with sessions.begin() as session:
         await session.execute(flows_table.release_exchanges(now, EXCHANGE_LEASE))
     is_old = flows_table.expired_before(now - PURGE_AFTER)
     deleted = await _in_chunks(sessions, flows_table.remove, is_old)
     return expired, deleted
+
+
+async def _expire_in_chunks(sessions: async_sessionmaker[AsyncSession], now: datetime) -> int:
+    """Expire the open flows past their expiry, PURGE_CHUNK at a time, each chunk with its
+    `flow.expired` events in its transaction; flows expired."""
+    chunk = flows_table.chunk(*flows_table.open_past_expiry(now), size=PURGE_CHUNK)
+    statement = flows_table.expire(now)(chunk).execution_options(synchronize_session=False)
+    total = 0
+    while True:
+        async with sessions.begin() as session:
+            rows = (await session.execute(statement)).all()
+            await audit.record_rows(
+                session,
+                [
+                    audit.row(
+                        "flow.expired",
+                        actor=audit.BROKER,
+                        principal=Principal(row.issuer, row.subject),
+                        provider=row.provider,
+                        audience=row.audience,
+                    )
+                    for row in rows
+                ],
+            )
+        total += len(rows)
+        if len(rows) < PURGE_CHUNK:
+            return total
 
 
 async def _in_chunks(

@@ -37,7 +37,7 @@ from app.direct.records import (
     StoreUnavailable,
     insert_values,
 )
-from app.tables import connections, flows, services
+from app.tables import audit, connections, flows, services
 
 T = TypeVar("T")
 ConnectionKey = tuple[str, str, str, str]  # issuer, subject, provider, audience
@@ -69,7 +69,7 @@ UNAVAILABLE = (
 # calls of one loop turn (app/direct/batching.py).
 DIALECT = DroppingAsyncpgDialect()  # type: ignore[no-untyped-call]
 FIND_CONNECTIONS = Compiled(connections.find_many(), DIALECT)
-INSERT_FLOWS = Compiled(flows.insert_many(), DIALECT)
+INSERT_FLOWS = Compiled(audit.with_new_flows(flows.insert_many()), DIALECT)  # + their events
 GET_FLOWS_AND_CONNECTIONS = Compiled(flows.read_many(), DIALECT)
 FIND_SERVICES_AND_OWN_CONNECTIONS = Compiled(services.find_with_connection_many(), DIALECT)
 READ_CONNECTIONS = RowReader(FIND_CONNECTIONS, as_given)
@@ -161,6 +161,7 @@ class PostgresStore:
     async def _insert_flows(self, batch: list[tuple[NewFlow, int]]) -> list[bool]:
         calls = [insert_values(flow, max_open, as_given) for flow, max_open in batch]
         params = {name: [call[name] for call in calls] for name in calls[0]}
+        params["request_id"] = [flow.request_id for flow, _ in batch]
         statement = INSERT_FLOWS
         rows = await self._run(lambda c: c.fetch(statement.sql, *statement.values(params)))
         inserted = {row["id"] for row in rows}

@@ -148,6 +148,7 @@ class NewFlow:
     args_digest: str
     created_at: datetime
     expires_at: datetime
+    request_id: str | None = None  # recorded with the flow's `flow.created` audit event
 
 
 def insert_values(flow: NewFlow, max_open: int, time: Callable[[datetime], Any]) -> dict[str, Any]:

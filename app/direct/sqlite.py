@@ -61,7 +61,7 @@ from app.direct.records import (
     insert_values,
 )
 from app.sqlite_gate import WriteTurnTimeout, gate_for
-from app.tables import connections, flows, services
+from app.tables import audit, connections, flows, services
 
 T = TypeVar("T")
 
@@ -80,6 +80,7 @@ _DATABASE_FILES_LOCK = threading.Lock()
 DIALECT = sqlite.dialect()
 FIND_CONNECTION = Compiled(connections.find_one(), DIALECT)
 INSERT_FLOW = Compiled(flows.insert_one(), DIALECT)
+RECORD_NEW_FLOW = Compiled(audit.for_new_flow(), DIALECT)
 GET_FLOW_AND_CONNECTION = Compiled(flows.read_one(), DIALECT)
 
 
@@ -116,6 +117,7 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
 class _Statement:
     statement: str
     values: tuple[Any, ...]
+    then: _Statement | None = None  # run in the same transaction when this one changed a row
 
 
 def _read_all(connection: sqlite3.Connection, reads: list[_Statement]) -> list[Any]:
@@ -145,7 +147,10 @@ def _apply(connection: sqlite3.Connection, writes: list[_Statement]) -> list[int
     try:
         for write in writes:
             try:
-                outcomes.append(connection.execute(write.statement, write.values).rowcount)
+                changed = connection.execute(write.statement, write.values).rowcount
+                if changed and write.then is not None:
+                    connection.execute(write.then.statement, write.then.values)
+                outcomes.append(changed)
             except sqlite3.IntegrityError as exc:  # this row's own fault; others go on
                 outcomes.append(exc)
         connection.execute("COMMIT")
@@ -218,9 +223,9 @@ class SqliteStore:
     async def _read_batch(self, reads: list[_Statement]) -> list[Any]:
         return await self._run(lambda c: _read_all(c, reads))
 
-    async def _write(self, statement: str, values: tuple[Any, ...]) -> int:
-        """The row count of `statement`, committed with the other writes of this loop turn."""
-        return await self._writes.submit(_Statement(statement, values))
+    async def _write(self, write: _Statement) -> int:
+        """The row count of `write`, committed with the other writes of this loop turn."""
+        return await self._writes.submit(write)
 
     async def _commit(self, writes: list[_Statement]) -> list[int | Exception]:
         try:
@@ -301,7 +306,9 @@ class SqliteStore:
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         values = INSERT_FLOW.values(insert_values(flow, max_open, stored_time))
-        return await self._write(INSERT_FLOW.sql, values) == 1
+        event = RECORD_NEW_FLOW.values({"id": flow.id, "request_id": flow.request_id})
+        write = _Statement(INSERT_FLOW.sql, values, _Statement(RECORD_NEW_FLOW.sql, event))
+        return await self._write(write) == 1
 
     async def get_flow_and_connection(
         self, flow_id: str

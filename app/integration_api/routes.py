@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import credentials
+from app.audit import Actor
 from app.auth.bearer import MAX_TOKEN_LENGTH
 from app.auth.principal import Principal
 from app.config import Settings
@@ -385,6 +386,7 @@ async def delete_connection(
         principal=principal,
         provider=provider,
         audience=service.name,
+        actor=Actor.service(service.name),
     )
     if not outcome.existed:
         raise NotConnected()

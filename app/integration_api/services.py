@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app import audit
+from app.audit import Actor
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import Keyring, hmac_digest
@@ -37,13 +39,25 @@ def _digests(keys: Keyring, secret: str) -> list[str]:
 
 
 async def create(
-    session: AsyncSession, *, keys: Keyring, name: str, providers: tuple[str, ...]
+    session: AsyncSession,
+    *,
+    keys: Keyring,
+    name: str,
+    providers: tuple[str, ...],
+    actor: Actor = audit.CLI,
 ) -> str:
     """Register a service and return its secret (shown once, never stored)."""
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
     digest = _digests(keys, secret)[0]
     await session.execute(services_table.add(name, digest, " ".join(providers), utcnow()))
+    await audit.record(
+        session, "service.created", actor=actor, audience=name, detail=_providers(providers)
+    )
     return secret
+
+
+def _providers(providers: tuple[str, ...]) -> str:
+    return "providers=" + (",".join(providers) or "*")
 
 
 def _well_formed(secret: str) -> bool:
@@ -83,6 +97,9 @@ async def list_all(session: AsyncSession) -> list[ServiceClient]:
     return list((await session.execute(services_table.by_name())).scalars())
 
 
-async def revoke(session: AsyncSession, *, name: str) -> bool:
+async def revoke(session: AsyncSession, *, name: str, actor: Actor = audit.CLI) -> bool:
     result = await session.execute(services_table.revoke(name, utcnow()))
-    return bool(getattr(result, "rowcount", 0))
+    revoked = bool(getattr(result, "rowcount", 0))
+    if revoked:
+        await audit.record(session, "service.revoked", actor=actor, audience=name)
+    return revoked

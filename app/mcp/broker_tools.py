@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import credentials
+from app.audit import Actor
 from app.connect.disconnect import disconnect
 from app.connect.revocations import Revoker
 from app.mcp.protocol import invalid_params, missing_capability
@@ -166,6 +167,7 @@ class BrokerTools:
                     principal=call.caller.principal,
                     provider=provider,
                     audience=BROKER_AUDIENCE,
+                    actor=Actor.user(call.caller.principal),
                 )
             note = (
                 f" {name} could not confirm revoking its grant yet; the broker keeps asking it"

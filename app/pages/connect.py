@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import RedirectResponse, Response
 
 from app import credentials
+from app.audit import Actor
 from app.auth.browser import BrowserSessions, BrowserUser
 from app.config import Settings
 from app.connect import disconnect as disconnection
@@ -176,6 +177,8 @@ async def submit_api_key(
         principal=user.principal,
         from_statuses=OPEN_FLOW_STATUSES,
         to_status=FlowStatus.completed,
+        event="flow.completed",
+        actor=Actor.user(user.principal),
     )
     if won:  # the credential and the completion commit together, or not at all
         await credentials.store(
@@ -208,6 +211,8 @@ async def decline(
         principal=user.principal,
         from_statuses=OPEN_FLOW_STATUSES,
         to_status=FlowStatus.declined,
+        event="flow.declined",
+        actor=Actor.user(user.principal),
         state_digest=None,
         sealed_pkce_verifier=None,
     ):
@@ -262,7 +267,12 @@ async def disconnect(
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     audience = posted.values.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
     outcome = await disconnection.disconnect(
-        session, revoker, principal=posted.user.principal, provider=provider, audience=audience
+        session,
+        revoker,
+        principal=posted.user.principal,
+        provider=provider,
+        audience=audience,
+        actor=Actor.user(posted.user.principal),
     )
     if outcome.upstream_failed:
         return render(

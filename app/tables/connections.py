@@ -6,6 +6,7 @@ read beside something else: alone, with a flow, with the service that made it.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -14,12 +15,15 @@ from sqlalchemy import (
     Insert,
     Select,
     Text,
+    Update,
     and_,
     bindparam,
     delete,
     func,
+    or_,
     select,
     true,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -128,3 +132,58 @@ def remove(principal: Principal, provider: str, audience: str) -> Delete:
 
 def sealed_with_another_key(key_id: str) -> Select[Connection]:
     return select(Connection).where(Connection.key_id != key_id)
+
+
+def of_user(issuer: str, subject: str) -> Select[Connection]:
+    """Every connection of the user, through any audience, locked (PostgreSQL) for removal."""
+    return (
+        select(Connection)
+        .where(Connection.issuer == issuer, Connection.subject == subject)
+        .order_by(Connection.id)
+        .with_for_update()
+    )
+
+
+def listing(
+    *, issuer: str | None, subject: str | None, provider: str | None, audience: str | None
+) -> Select[Connection]:
+    """The connections matching every filter given, by user, provider and audience."""
+    wanted = {
+        Connection.issuer: issuer,
+        Connection.subject: subject,
+        Connection.provider: provider,
+        Connection.audience: audience,
+    }
+    conditions = [column == value for column, value in wanted.items() if value is not None]
+    return (
+        select(Connection)
+        .where(*conditions)
+        .order_by(Connection.issuer, Connection.subject, Connection.provider, Connection.audience)
+    )
+
+
+def idle_since(cutoff: datetime, size: int) -> Select[Connection]:
+    """Up to `size` connections neither used nor made since `cutoff`, locked (PostgreSQL),
+    skipping rows another transaction holds."""
+    last_seen = func.coalesce(Connection.last_used_at, Connection.created_at)
+    return (
+        select(Connection)
+        .where(last_seen < cutoff)
+        .order_by(Connection.id)
+        .limit(size)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def mark_used(ids: list[int], day: datetime) -> Update:
+    """Record `day` as the last use of the connections `ids` not recorded as used on it yet
+    (another process may have)."""
+    return (
+        update(Connection)
+        .where(
+            Connection.id.in_(ids),
+            or_(Connection.last_used_at.is_(None), Connection.last_used_at < day),
+        )
+        .values(last_used_at=day)
+        .execution_options(synchronize_session=False)
+    )

@@ -110,7 +110,7 @@ def insert_one() -> Insert:
 
 def insert_many() -> Insert:
     """`insert_one` for arrays (one entry per call), counting the flows of the same owner earlier
-    in the arrays as open too; RETURNING the ids inserted."""
+    in the arrays as open too; RETURNING the flows inserted (what their audit events need)."""
     texts = [bindparam(name, type_=ARRAY(Text)) for name in NEW_TEXTS]
     times = [bindparam(name, type_=ARRAY(UtcDateTime())) for name in NEW_TIMES]
     caps = bindparam("max_open", type_=ARRAY(Integer))
@@ -138,7 +138,10 @@ def insert_many() -> Insert:
     new = {name: calls.c[name] for name in names}
     opened = _open_count(calls.c.issuer, calls.c.subject, calls.c.created_at, calls.c.max_open)
     allowed = opened + earlier < calls.c.max_open
-    return _insert_capped(new, allowed, calls).returning(Flow.id)
+    inserted = _insert_capped(new, allowed, calls)
+    return inserted.returning(
+        Flow.id, Flow.issuer, Flow.subject, Flow.provider, Flow.audience, Flow.created_at
+    )
 
 
 def _with_owners_connection(statement: Rows, *, lateral: bool) -> Rows:
@@ -226,13 +229,15 @@ def open_past_expiry(now: datetime) -> tuple[ColumnElement[bool], ...]:
 
 
 def expire(now: datetime) -> ChunkStatement:
-    """Expire the chunk's flows, dropping their secrets."""
+    """Expire the chunk's flows, dropping their secrets; RETURNING whose flows they were (for
+    their audit events)."""
     return lambda ids: (
         update(Flow)
         .where(Flow.id.in_(ids))
         .values(
             status=FlowStatus.expired, updated_at=now, state_digest=None, sealed_pkce_verifier=None
         )
+        .returning(Flow.issuer, Flow.subject, Flow.provider, Flow.audience)
     )
 
 
@@ -260,3 +265,8 @@ def expired_before(cutoff: datetime) -> tuple[ColumnElement[bool], ...]:
 
 def remove(ids: Select[str]) -> Delete:
     return delete(Flow).where(Flow.id.in_(ids))
+
+
+def remove_of_owner(issuer: str, subject: str) -> Delete:
+    """Every flow of the user, whatever its status (an erasure)."""
+    return delete(Flow).where(Flow.issuer == issuer, Flow.subject == subject)

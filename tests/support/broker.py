@@ -152,6 +152,7 @@ class BrokerConfig:
             "keys": {"signing": self.signing, "encryption": self.encryption},
             "limits": {**UNREACHED_LIMITS, **self.extra.get("limits", {})},
         }
+        sections |= {name: table for name, table in self.extra.items() if name not in sections}
         lines: list[str] = []
         for section, values in sections.items():
             lines.append(f"[{section}]")

@@ -1,0 +1,230 @@
+"""Erasing a user: `connect-broker users erase` and `DELETE /api/v1/admin/users`, one function
+(app/connect/erasure.py). Grants are revoked upstream (queued, then made by the housekeeping);
+connections, flows, browser sessions and the user's audit events older than the hold go."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from sqlalchemy import func, insert, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.clock import utcnow
+from app.main import Shared
+from app.models import AuditEvent, Connection, Flow, LoginSession, PendingRevocation
+
+from .conftest import DEMO_PROVIDER
+from .oauth.flows import connect, elicit
+from .oauth.helpers import unique as fresh_user
+from .oauth.test_refresh_revoke import at_fake, github_received_revocations
+from .oauth.test_revocation_retries import close_runtime, open_runtime
+from .support.broker import BrokerConfig, BrokerProcess, cli, running_broker
+from .support.clients import Browser, McpHttp
+from .support.fake_github import FakeGitHub
+from .support.idp import IdpProcess, mint_token
+
+pytestmark = pytest.mark.both_databases
+
+ADMIN_TOKEN = "admin-token-" + "a" * 40
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake(fake_github: FakeGitHub) -> Iterator[None]:
+    fake_github.reset()
+    yield
+    fake_github.reset()
+
+
+@pytest.fixture
+async def runtime(broker: BrokerProcess) -> AsyncIterator[Shared]:
+    opened = await open_runtime(broker)
+    yield opened
+    await close_runtime(opened)
+
+
+async def count_of(db: AsyncEngine, model: Any, user: str) -> int:
+    statement = select(func.count()).select_from(model).where(model.subject == user)
+    async with db.connect() as connection:
+        return int((await connection.execute(statement)).scalar_one())
+
+
+async def events_of(db: AsyncEngine, user: str) -> list[Any]:
+    statement = select(AuditEvent).where(AuditEvent.subject == user).order_by(AuditEvent.id)
+    async with db.connect() as connection:
+        return list((await connection.execute(statement)).all())
+
+
+async def add_old_event(db: AsyncEngine, issuer: str, user: str, days: int) -> None:
+    async with db.begin() as connection:
+        await connection.execute(
+            insert(AuditEvent).values(
+                occurred_at=utcnow() - timedelta(days=days),
+                event=f"test.{days}_days_ago",
+                actor_kind="broker",
+                actor_id="broker",
+                issuer=issuer,
+                subject=user,
+            )
+        )
+
+
+async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
+    broker: BrokerProcess,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    runtime: Shared,
+) -> None:
+    user = fresh_user("erase")
+    issuer = broker.config.issuer
+    token = token_for(user)
+    await connect(mcp, browser, token, user)  # a GitHub grant, a completed flow, a session
+    github_token = fake_github.issued_access_tokens[-1]
+    await elicit(mcp, token, {"provider": "acme"})  # an open flow
+    await add_old_event(db, issuer, user, days=40)  # past the 30-day hold
+    bystander = fresh_user("erase-bystander")
+    await elicit(mcp, token_for(bystander))
+
+    erased = cli(
+        "users", "erase", "--issuer", issuer, "--subject", user, config_path=broker.config_path
+    )
+
+    assert erased.returncode == 0, erased.stderr
+    assert erased.stdout.strip().endswith(
+        "connections=1 revocations_queued=1 flows=2 sessions=1 audit_events=1"
+    )
+    for model in (Connection, Flow, LoginSession):
+        assert await count_of(db, model, user) == 0
+    assert await count_of(db, Flow, bystander) == 1
+    assert await count_of(db, PendingRevocation, user) == 1
+    events = await events_of(db, user)
+    assert "test.40_days_ago" not in [row.event for row in events]
+    assert [row.event for row in events][:3] == [
+        "flow.created",
+        "flow.completed",
+        "credential.stored",
+    ]
+    erasure = events[-1]
+    assert (erasure.event, erasure.actor_kind, erasure.actor_id) == (
+        "user.erased",
+        "operator",
+        "cli",
+    )
+    assert erasure.detail == "connections=1 revocations_queued=1 flows=2 sessions=1 audit_events=1"
+    assert github_token not in erased.stdout + erased.stderr
+
+    await runtime.revoker.sweep()  # the housekeeping's next round (or the broker's own)
+    await github_received_revocations(fake_github, 1)
+    gone = await at_fake(
+        fake_github, "GET", "/user", headers={"Authorization": f"Bearer {github_token}"}
+    )
+    assert gone.status_code == 401
+    page = await browser.get("/connections")
+    assert page.status_code == 303  # the browser session is gone: sign in again
+
+
+def test_erase_needs_both_issuer_and_subject(broker: BrokerProcess) -> None:
+    missing = cli("users", "erase", "--issuer", "x", config_path=broker.config_path)
+    empty = cli("users", "erase", "--issuer", "", "--subject", "s", config_path=broker.config_path)
+
+    assert missing.returncode == 2
+    assert "--subject" in missing.stderr
+    assert empty.returncode == 2
+    assert "argument --issuer: must be 1 to 255 characters" in empty.stderr
+
+
+async def test_the_session_broker_has_no_admin_api_without_a_token(broker: BrokerProcess) -> None:
+    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+        response = await http.delete(
+            f"{broker.url}/api/v1/admin/users",
+            params={"issuer": broker.config.issuer, "subject": "someone"},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+
+    assert response.status_code == 404
+    assert response.headers["content-type"] == PROBLEM
+
+
+@pytest.fixture(scope="module")
+def admin_broker(idp: IdpProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    token_file = tmp_path_factory.mktemp("admin") / "admin_token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    config = BrokerConfig(
+        issuer=idp.issuer,
+        providers={"demo": DEMO_PROVIDER},
+        extra={"admin": {"token_file": str(token_file)}, "audit": {"erase_hold_days": 0}},
+    )
+    with running_broker(config, Path(token_file.parent), name="admin") as process:
+        yield process
+
+
+async def admin_delete(
+    broker: BrokerProcess, params: dict[str, str], token: str | None = ADMIN_TOKEN
+) -> httpx2.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+        return await http.delete(f"{broker.url}/api/v1/admin/users", params=params, headers=headers)
+
+
+async def test_the_admin_api_erases_a_user_with_the_token(
+    admin_broker: BrokerProcess, idp: IdpProcess
+) -> None:
+    user = f"api-erase-{secrets.token_hex(4)}"
+    who = {"issuer": admin_broker.config.issuer, "subject": user}
+    mcp = McpHttp(admin_broker.mcp_url)
+    try:
+        token = mint_token(
+            idp.signing_jwk, issuer=idp.issuer, audience=admin_broker.mcp_url, subject=user
+        )
+        await elicit(mcp, token, {"provider": "demo"})
+    finally:
+        await mcp.aclose()
+
+    erased = await admin_delete(admin_broker, who)
+    again = await admin_delete(admin_broker, who)
+
+    assert erased.status_code == 200, erased.text
+    assert erased.json() == {
+        "connections": 0,
+        "revocations_queued": 0,
+        "flows": 1,
+        "sessions": 0,
+        "audit_events": 1,  # flow.created: a hold of 0 days keeps nothing
+    }
+    assert again.json()["audit_events"] == 1  # the first erasure's own event
+    assert ADMIN_TOKEN not in admin_broker.log()
+
+
+@pytest.mark.parametrize(
+    ("token", "params", "status", "code"),
+    [
+        (None, {"issuer": "i", "subject": "s"}, 401, "invalid_admin_token"),
+        ("wrong-" + "b" * 40, {"issuer": "i", "subject": "s"}, 401, "invalid_admin_token"),
+        (ADMIN_TOKEN, {"issuer": "i"}, 422, "invalid_request"),
+        (ADMIN_TOKEN, {"issuer": "i", "subject": "s\x00"}, 422, "invalid_request"),
+        (ADMIN_TOKEN, {"issuer": "i", "subject": "s" * 256}, 422, "invalid_request"),
+    ],
+)
+async def test_the_admin_api_refuses_in_problem_json(
+    admin_broker: BrokerProcess,
+    token: str | None,
+    params: dict[str, str],
+    status: int,
+    code: str,
+) -> None:
+    response = await admin_delete(admin_broker, params, token)
+
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    assert response.json()["type"] == f"urn:connect-broker:error:{code}"
+    if status == 401:
+        assert response.headers["www-authenticate"].startswith("Bearer")
