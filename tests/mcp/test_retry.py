@@ -815,9 +815,10 @@ async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_s
             .where(Flow.subject == subject)
             .values(expires_at=datetime.now(UTC) - timedelta(days=2))
         )
-    _, deleted = await _purge(db)
+    await _purge(db)
 
-    assert deleted >= 1001
+    # the count this run deleted is not asserted: the module's broker runs the same sweep on
+    # this database every minute, and when its run lands here first it deletes them instead
     assert await count_rows(db, "flows", subject=subject) == 0
 
 
