@@ -124,7 +124,8 @@ async def test_a_revocation_github_failed_is_retried_until_github_confirms(
         mcp, token_for, browser, fake_github, "revoke-retry"
     )
     queued = await pending_for(db, user)
-    too_early = await runtime.revoker.sweep()
+    await runtime.revoker.sweep()  # the sweep is global: other tests' rows may be due
+    left_too_early = await pending_for(db, user)
     alive_meanwhile = await github_answers(fake_github, github_token)
     with later(revocations.FIRST_RETRY_SECONDS + 1):
         attempted = await runtime.revoker.sweep()
@@ -134,9 +135,8 @@ async def test_a_revocation_github_failed_is_retried_until_github_confirms(
     assert "could not confirm revoking its grant yet" in result["content"][0]["text"]
     assert await count_rows(db, "connections", subject=user) == 0
     assert queued == [(1, "revocation_status_500")]
-    assert (too_early, alive_meanwhile) == (0, 200)
-    assert attempted == 1
-    assert fake_github.revocations == 2
+    assert (left_too_early, alive_meanwhile) == (queued, 200)
+    assert attempted >= 1
     assert await github_answers(fake_github, github_token) == 401
     assert await pending_for(db, user) == []
 
