@@ -27,7 +27,6 @@ from app.crypto import b64encode, constant_time_equal
 from app.errors import BrokerError
 from app.templating import render
 
-DEV_CLIENT_ID = "connect-broker-dev"
 TOKEN_LIFETIME = 12 * 3600
 CODE_LIFETIME = 120
 
@@ -47,9 +46,12 @@ class _Grant:
 
 
 class DevIdentityProvider:
-    def __init__(self, *, issuer: str, audience: str, key_path: Path, client_secret: str) -> None:
+    def __init__(
+        self, *, issuer: str, audience: str, key_path: Path, client_id: str, client_secret: str
+    ) -> None:
         self.issuer = issuer
         self.audience = audience
+        self.client_id = client_id  # the broker's own login client
         self.client_secret = client_secret
         self.key = _load_or_create_key(key_path)
         self._codes: dict[str, _Grant] = {}
@@ -145,7 +147,7 @@ class DevIdentityProvider:
         return JSONResponse(
             {
                 "access_token": self.mint(grant.user, audience=self.audience),
-                "id_token": self.mint(grant.user, audience=DEV_CLIENT_ID, nonce=grant.nonce),
+                "id_token": self.mint(grant.user, audience=self.client_id, nonce=grant.nonce),
                 "token_type": "Bearer",
                 "expires_in": TOKEN_LIFETIME,
             }
@@ -159,10 +161,10 @@ class DevIdentityProvider:
             client_id, _, secret = base64.b64decode(header[6:]).decode().partition(":")
         else:
             client_id, secret = str(form.get("client_id", "")), str(form.get("client_secret", ""))
-        return client_id == DEV_CLIENT_ID and constant_time_equal(secret, self.client_secret)
+        return client_id == self.client_id and constant_time_equal(secret, self.client_secret)
 
     def _check_client(self, params: dict[str, str]) -> None:
-        if params.get("client_id") != DEV_CLIENT_ID or not params.get(
+        if params.get("client_id") != self.client_id or not params.get(
             "redirect_uri", ""
         ).startswith(self.issuer.rsplit("/dev-idp", 1)[0] + "/"):
             raise DevIdpError("Unknown client or redirect URI.")
