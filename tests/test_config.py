@@ -240,7 +240,7 @@ def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_serve_warns_when_several_workers_share_sqlite(workers: int, tmp_path: Path) -> None:
+def test_several_workers_on_sqlite_serve_with_a_warning_and_each_logs(workers: int, tmp_path: Path) -> None:
     """The write-lock queue and the WAL bound are per process (README, SQLite): more than one
     worker on SQLite still serves, with a warning that says why it is not advised."""
     config = BrokerConfig(issuer="http://127.0.0.1:1", port=free_port())
@@ -256,12 +256,17 @@ def test_serve_warns_when_several_workers_share_sqlite(workers: int, tmp_path: P
         )
     try:
         assert serves(f"{config.public_url}/healthz", process), log.read_text()
+        answered = httpx2.get(f"{config.public_url}/no-such-page", timeout=5, trust_env=False)
     finally:
         process.terminate()
         process.wait(SERVE_TIMEOUT)
 
-    warned = f"serve.sqlite_workers workers={workers}: SQLite is for one process" in log.read_text()
-    assert warned is (workers > 1), log.read_text()
+    text = log.read_text()
+    warned = f"serve.sqlite_workers workers={workers}: SQLite is for one process" in text
+    assert warned is (workers > 1), text
+    # whichever worker answered wrote its access line: each worker sets up logging itself
+    assert answered.status_code == 404
+    assert "INFO broker.access GET /no-such-page 404" in text, text
 
 
 SERVE_TIMEOUT = 30.0
