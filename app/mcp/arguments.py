@@ -50,10 +50,11 @@ def compile_arguments_schema(schema: dict[str, Any]) -> ArgumentsValidator:
 
 # Arguments a tool's schema accepted, by their canonical JSON: most calls repeat a few small
 # argument sets (`{"provider": "github"}`), and a verdict depends on nothing else. Only passes are
-# kept, so a refused value never decides another request's answer (docs/adr/0006).
+# kept, so a refused value never decides another request's answer (docs/adr/0006). An entry
+# holds its validator: while the entry lives, no other validator can be given the same id.
 PASSED_LIMIT = 4096
 PASSED_KEY_BYTES = 512  # larger arguments are validated every time, never kept
-_passed: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+_passed: OrderedDict[tuple[int, bytes], ArgumentsValidator] = OrderedDict()
 
 
 def check_arguments(tool_name: str, validator: ArgumentsValidator, arguments: Any) -> None:
@@ -67,11 +68,11 @@ def check_arguments(tool_name: str, validator: ArgumentsValidator, arguments: An
     except orjson.JSONEncodeError:  # e.g. an integer past 64 bits: checked, never kept
         canonical = b""
     key = (id(validator), canonical)
-    if canonical and key in _passed:
+    if canonical and _passed.get(key) is validator:
         return
     if validator.is_valid(arguments):  # the common case, at half the cost of best_match
         if canonical and len(canonical) <= PASSED_KEY_BYTES:
-            _passed[key] = None
+            _passed[key] = validator
             if len(_passed) > PASSED_LIMIT:
                 _passed.popitem(last=False)
         return

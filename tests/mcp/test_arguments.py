@@ -92,6 +92,20 @@ def test_L13_a_tool_with_an_invalid_input_schema_cannot_be_registered() -> None:
         ToolRegistry().add(broken)
 
 
+def test_a_pass_of_a_freed_validator_never_answers_for_a_new_one() -> None:
+    """A new validator may be given a freed one's id: the passes kept for the freed one (a
+    string `n` accepted) must not answer for the new one (`n` an integer)."""
+    strings = {"type": "object", "properties": {"n": {"type": "string"}}}
+    integers = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    for _ in range(20):  # CPython hands a freed object's address to the next one of its size
+        old = compile_arguments_schema(strings)
+        check_arguments("t", old, {"n": "x"})
+        del old
+        new = compile_arguments_schema(integers)
+        with pytest.raises(JsonRpcError):
+            check_arguments("t", new, {"n": "x"})
+
+
 def test_a_pass_is_remembered_and_a_refusal_never_is() -> None:
     """The verdict cache (docs/adr/0006) keeps only arguments the schema accepted: the same
     refused arguments are refused every time, and an accepted set is remembered."""
