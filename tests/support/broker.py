@@ -165,9 +165,9 @@ class BrokerConfig:
             for key, table in nested.items():
                 lines.append(f"[providers.{name}.{key}]")
                 lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
-        for table, named in (("services", self.services), ("webhooks", self.webhooks)):
+        for kind, named in (("services", self.services), ("webhooks", self.webhooks)):
             for name, values in named.items():
-                lines.append(f"[{table}.{name}]")
+                lines.append(f"[{kind}.{name}]")
                 lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         return "\n".join(lines) + "\n"
 
