@@ -114,8 +114,8 @@ class BrokerMetrics(Collector):
         """One post to `webhook` (a configured name): `outcome` "ok" (2xx) or "failed"."""
         self.webhook_deliveries[webhook, outcome] += 1
 
-    def webhook_abandoned(self, webhook: str) -> None:
-        self.webhooks_abandoned[(webhook,)] += 1
+    def webhook_abandoned(self, webhook: str, count: int = 1) -> None:
+        self.webhooks_abandoned[(webhook,)] += count
 
     def render(
         self, backlog: RevocationBacklog | None, webhooks: Mapping[str, int] | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -306,20 +307,61 @@ async def test_an_event_failing_for_24_hours_is_given_up_and_the_next_one_delive
     assert failed and all("127.0.0.1" not in line and SECRET not in line for line in failed)
 
 
-async def test_an_event_older_than_24_hours_is_given_up_without_a_post(
-    broker: BrokerProcess, secret_file: Path
+async def test_events_older_than_24_hours_are_given_up_without_a_post_in_one_line(
+    broker: BrokerProcess, secret_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """After an outage longer than a day, the events past their 24 hours are given up at once,
+    counted each, logged as one run; the first event still within its time is posted."""
     user = fresh_user("webhook-expired")
     with running_receiver() as listening:
         async with delivering(broker, listening.url, secret_file) as (name, runtime):
-            await record(runtime, user, "n=0")
+            for n in range(3):
+                await record(runtime, user, f"n={n}")
             with later(delivery.GIVE_UP_AFTER.total_seconds() + 60):
+                await record(runtime, user, "fresh")
                 delivered = await runtime.webhooks.run_once()
             metrics = runtime.metrics.render(None).decode()
 
-    assert delivered == 0
-    assert listening.events(of_user(user)) == []
-    assert f'broker_webhook_abandoned_total{{webhook="{name}"}} 1.0' in metrics
+    assert delivered == 1
+    assert details(listening.events(of_user(user))) == ["fresh"]
+    assert f'broker_webhook_abandoned_total{{webhook="{name}"}} 3.0' in metrics
+    abandoned = [r.getMessage() for r in caplog.records if "webhook.abandoned" in r.getMessage()]
+    assert len(abandoned) == 1
+    assert "count=3" in abandoned[0] and "error=expired" in abandoned[0]
+
+
+async def test_a_redirect_is_a_failure_and_is_not_followed(
+    broker: BrokerProcess, secret_file: Path
+) -> None:
+    user = fresh_user("webhook-redirect")
+    with running_receiver() as redirecting:
+        redirecting.status = 302
+        async with delivering(broker, redirecting.url, secret_file) as (name, runtime):
+            await record(runtime, user, "n=0")
+            await runtime.webhooks.run_once()
+            state = await state_of(runtime, name)
+
+    assert (state.attempts, state.last_error) == (1, "http_302")
+    assert redirecting.requests == 1
+
+
+@pytest.mark.slow
+async def test_a_receiver_that_does_not_answer_is_given_up_on_after_5_seconds(
+    broker: BrokerProcess, secret_file: Path
+) -> None:
+    user = fresh_user("webhook-silent")
+    with running_receiver() as silent:
+        silent.delay = delivery.TIMEOUT_SECONDS + 3
+        async with delivering(broker, silent.url, secret_file) as (name, runtime):
+            await record(runtime, user, "n=0")
+            started = time.monotonic()
+            await runtime.webhooks.run_once()
+            took = time.monotonic() - started
+            state = await state_of(runtime, name)
+
+    assert state.attempts == 1
+    assert state.last_error in ("ReadTimeout", "TimeoutError")
+    assert took < delivery.TIMEOUT_SECONDS + 1.5
 
 
 async def test_a_webhook_gets_only_its_events_and_starts_from_when_it_is_first_served(

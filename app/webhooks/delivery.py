@@ -24,6 +24,7 @@ change is conditional on the cursor it claimed at, so a process whose claim ran 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
@@ -32,6 +33,7 @@ import httpx2
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.bug_report import redacted_traceback
 from app.clock import utcnow
 from app.errors import DATABASE_ERRORS
 from app.metrics import BrokerMetrics
@@ -49,7 +51,7 @@ PAUSE_SECONDS = 30.0  # after the database failed to answer
 FIRST_RETRY_SECONDS = 10
 MAX_RETRY_SECONDS = 1800
 GIVE_UP_AFTER = timedelta(hours=24)
-TIMEOUT_SECONDS = 5.0  # one post, connecting included
+TIMEOUT_SECONDS = 5.0  # one post, from connecting to the answer's status line
 # Longer than one post and its statements; renewed with each event delivered.
 CLAIM_SECONDS = 30
 BATCH = 50  # events read, and posted one after the other, per claim
@@ -149,6 +151,11 @@ class Webhooks:
             except DATABASE_ERRORS as exc:
                 logger.warning("webhook.poll_failed error=%s", type(exc).__name__)
                 pause = PAUSE_SECONDS
+            except Exception as exc:  # a bug: logged, and the deliveries go on after a pause
+                logger.error(
+                    "webhook.loop_failed error=%s\n%s", type(exc).__name__, redacted_traceback(exc)
+                )
+                pause = PAUSE_SECONDS
             await asyncio.sleep(pause)
 
     async def _run_webhook(self, state: WebhookDelivery) -> int:
@@ -171,6 +178,13 @@ class Webhooks:
         if claimed is None:
             return 0  # another process has it, or moved it on
         attempts = claimed.attempts if claimed.head_id == events[0].id else 0
+        expired = list(itertools.takewhile(lambda e: e.occurred_at + GIVE_UP_AFTER <= now, events))
+        if expired:
+            done = len(expired) == len(events)
+            if not await self._advance(name, position, expired[-1], now, last=done):
+                return 0
+            self._abandoned(name, expired, attempts if len(expired) == 1 else 0, EXPIRED)
+            position, attempts, events = position_of(expired[-1]), 0, events[len(expired) :]
         delivered = 0
         for index, event in enumerate(events):
             last = index == len(events) - 1
@@ -212,16 +226,24 @@ class Webhooks:
                 return None
         if not await self._advance(name, position, event, now, last=last):
             return None
-        self._metrics.webhook_abandoned(name)
-        logger.warning(
-            "webhook.abandoned webhook=%s event_id=%d event=%s attempts=%d error=%s",
-            name,
-            event.id,
-            event.event,
-            attempts,
-            failure,
-        )
+        self._abandoned(name, [event], attempts, failure)
         return 0
+
+    def _abandoned(self, name: str, events: list[AuditEvent], attempts: int, error: str) -> None:
+        """Count and log events given up: one line for a run of them (after a long outage, a
+        webhook can find thousands of events past their 24 hours)."""
+        self._metrics.webhook_abandoned(name, len(events))
+        first = events[0]
+        run = f" through_event_id={events[-1].id} count={len(events)}" if len(events) > 1 else ""
+        logger.warning(
+            "webhook.abandoned webhook=%s event_id=%d event=%s attempts=%d error=%s%s",
+            name,
+            first.id,
+            first.event,
+            attempts,
+            error,
+            run,
+        )
 
     async def _retry_later(
         self,
@@ -267,15 +289,18 @@ class Webhooks:
         content = signing.body(event)
         secret = settings.secret.get_secret_value()
         try:
-            async with self._http.stream(
-                "POST",
-                settings.url,
-                content=content,
-                headers=signing.headers(event, secret, content, utcnow()),
-                timeout=TIMEOUT_SECONDS,
-                follow_redirects=False,
-            ) as response:
+            async with (
+                asyncio.timeout(TIMEOUT_SECONDS),
+                self._http.stream(
+                    "POST",
+                    settings.url,
+                    content=content,
+                    headers=signing.headers(event, secret, content, utcnow()),
+                    timeout=TIMEOUT_SECONDS,
+                    follow_redirects=False,
+                ) as response,
+            ):
                 status = response.status_code
-        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+        except (httpx2.HTTPError, httpx2.InvalidURL, TimeoutError) as exc:
             return type(exc).__name__
         return None if 200 <= status < 300 else f"http_{status}"

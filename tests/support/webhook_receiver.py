@@ -7,6 +7,7 @@ stays the receiver's across `stop` and `start` (a receiver that is down, then ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -35,8 +36,10 @@ class Delivery:
 @dataclass
 class Receiver:
     port: int = field(default_factory=free_port)
-    status: int = 204
-    deliveries: list[Delivery] = field(default_factory=list)
+    status: int = 204  # a 3xx also sends `Location:` back to the same URL
+    delay: float = 0.0  # seconds before answering
+    deliveries: list[Delivery] = field(default_factory=list)  # the 2xx answered
+    requests: int = 0  # every POST received
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -67,18 +70,24 @@ class Receiver:
                 body = self.rfile.read(length)
                 headers = {name.lower(): value for name, value in self.headers.items()}
                 status = receiver.status
-                if 200 <= status < 300:
-                    with receiver._lock:
+                with receiver._lock:
+                    receiver.requests += 1
+                    if 200 <= status < 300:
                         receiver.deliveries.append(Delivery(headers, body))
-                self.send_response(status)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
+                time.sleep(receiver.delay)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.send_response(status)  # the broker may have given up waiting
+                    if 300 <= status < 400:
+                        self.send_header("Location", receiver.url)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"ok")
 
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
         server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server.block_on_close = False  # a stop does not wait for a slow answer
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="webhook-receiver", daemon=True).start()
         self._server = server
