@@ -291,6 +291,10 @@ def create_app(
         settle_for_serving()
         loops = [asyncio.create_task(_housekeeping_forever(shared))]
         if shared.webhooks.configured:
+            # a new webhook's events start here, before the first request; if the database does
+            # not answer yet, the delivery loop starts it later
+            with contextlib.suppress(*DATABASE_ERRORS):
+                await shared.webhooks.start()
             loops.append(asyncio.create_task(shared.webhooks.forever()))
         try:
             yield

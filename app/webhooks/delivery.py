@@ -96,29 +96,36 @@ class Webhooks:
         try:
             async with self._sessionmaker.begin() as session:
                 rows = await session.execute(webhooks_table.states(names))
-                missing = set(names) - {state.webhook for state in rows.scalars()}
+                missing = sorted(set(names) - {state.webhook for state in rows.scalars()})
                 if not missing:
                     return
                 newest = (
                     await session.execute(audit_table.newest_settled(postgres=self._postgres))
                 ).first()
                 position = (int(newest[0] or 0), int(newest[1])) if newest else (0, 0)
-                for name in sorted(missing):
+                for name in missing:
                     await session.execute(webhooks_table.start(name, position, utcnow()))
         except IntegrityError:
-            pass  # another process started them at the same time: its rows serve
-        for name in sorted(missing):
+            return  # another process started one at the same moment: the next poll looks again
+        for name in missing:
             logger.info("webhook.started webhook=%s", name)
 
     async def run_once(self) -> int:
-        """Post what is due to every webhook: how many events were delivered."""
+        """Post what is due to every webhook: how many events were delivered. A webhook
+        without its row yet gets it (`start`), and its events from the next call on."""
         names = tuple(self._webhooks)
         async with self._sessionmaker() as session:
             states = list((await session.execute(webhooks_table.states(names))).scalars())
-        counts = await asyncio.gather(
-            *(self._run_webhook(state) for state in states if state.webhook in self._webhooks)
+        if len(states) < len(names):
+            await self.start()
+        outcomes = await asyncio.gather(
+            *(self._run_webhook(state) for state in states if state.webhook in self._webhooks),
+            return_exceptions=True,
         )
-        return sum(counts)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome  # the others have finished: none is left running unobserved
+        return sum(outcome for outcome in outcomes if isinstance(outcome, int))
 
     async def backlog(self, session: AsyncSession) -> dict[str, int]:
         """Per webhook, the events waiting for it (for /metrics)."""
@@ -137,13 +144,6 @@ class Webhooks:
 
     async def forever(self) -> None:
         """The delivery loop of one process (app/main.py starts it when webhooks are set)."""
-        while True:
-            try:
-                await self.start()
-                break
-            except DATABASE_ERRORS as exc:
-                logger.warning("webhook.start_failed error=%s", type(exc).__name__)
-            await asyncio.sleep(PAUSE_SECONDS)
         while True:
             pause = POLL_SECONDS
             try:
