@@ -255,8 +255,10 @@ def _check_config(args: argparse.Namespace) -> int:
     print(
         f"configuration OK ({settings.source}): public_url {settings.public_url}, "
         f"issuer {settings.identity.issuer} answers, database schema current, "
-        f"{len(settings.providers)} provider(s)"
+        f"{len(settings.providers)} provider(s), {len(settings.webhooks)} webhook(s)"
     )
+    for name, webhook in settings.webhooks.items():
+        print(f"webhook {name}: {', '.join(webhook.events)} to {webhook.display_url}")
     return 0
 
 

@@ -40,6 +40,7 @@ from app.providers.settings import (
     ProviderSettings,
     provider_settings_adapter,
 )
+from app.webhooks.settings import RETENTION_FLOOR_DAYS, WebhookSettings
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -261,6 +262,7 @@ class Settings:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     connections: ConnectionSettings = field(default_factory=ConnectionSettings)
+    webhooks: Mapping[str, WebhookSettings] = field(default_factory=dict)
     source: str = "defaults"
 
     @property
@@ -366,7 +368,7 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
 def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
     """Every section that parses (keyed as Settings' fields), and every problem found."""
     problems: list[Problem] = []
-    for section in sorted(set(raw) - {*SECTIONS, "providers", "services"}):
+    for section in sorted(set(raw) - {*SECTIONS, *TABLES}):
         problems.append((section, "unknown section" + _suggest(section, [*MODELS, *TABLES])))
     parsed: dict[str, Any] = {}
     for name, model in MODELS.items():
@@ -377,7 +379,7 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
         _parse(model, values, name, parsed, problems)
     providers: dict[str, ProviderSettings] = {}
     for name, values in raw.get("providers", {}).items():
-        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
+        if not re.fullmatch(NAME_PATTERN, name):
             problems.append((f"providers.{name}", "names are lowercase letters, digits, - and _"))
             continue
         if isinstance(values.get("scopes"), str):  # from the environment: a comma list
@@ -394,8 +396,40 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
         _parse(ServiceSettings, dict(values), f"services.{name}", services, problems)
     parsed["providers"] = providers
     parsed["services"] = {name.removeprefix("services."): s for name, s in services.items()}
+    parsed["webhooks"] = _webhooks(raw.get("webhooks", {}), problems)
     problems.extend(_token_audience_problems(parsed))
+    problems.extend(_retention_problems(parsed))
     return parsed, problems
+
+
+def _webhooks(raw: dict[str, Any], problems: list[Problem]) -> dict[str, WebhookSettings]:
+    webhooks: dict[str, Any] = {}
+    for name, values in raw.items():
+        if not re.fullmatch(NAME_PATTERN, name):
+            problems.append((f"webhooks.{name}", "names are lowercase letters, digits, - and _"))
+            continue
+        if not isinstance(values, dict):
+            problems.append((f"webhooks.{name}", "must be a table ([webhooks.<name>])"))
+            continue
+        values = dict(values)
+        if isinstance(values.get("events"), str):  # from the environment: a comma list
+            values["events"] = [v.strip() for v in values["events"].split(",") if v.strip()]
+        _parse(WebhookSettings, values, f"webhooks.{name}", webhooks, problems)
+    return {name.removeprefix("webhooks."): hook for name, hook in webhooks.items()}
+
+
+def _retention_problems(parsed: dict[str, Any]) -> list[Problem]:
+    """Webhook deliveries are retried for 24 hours: the retention sweep must leave them."""
+    audit = parsed.get("audit")
+    if parsed["webhooks"] and audit and audit.retention_days < RETENTION_FLOOR_DAYS:
+        return [
+            (
+                "audit.retention_days",
+                f"must be at least {RETENTION_FLOOR_DAYS} with webhooks configured (their "
+                "events are retried for 24 hours)",
+            )
+        ]
+    return []
 
 
 def _token_audience_problems(parsed: dict[str, Any]) -> list[Problem]:
@@ -418,12 +452,13 @@ def _token_audience_problems(parsed: dict[str, Any]) -> list[Problem]:
     return problems
 
 
-TABLES = ("providers", "services")
+TABLES = ("providers", "services", "webhooks")
+NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 PROVIDER_KEYS = sorted({*ApiKeyProviderSettings.model_fields, *OAuthProviderSettings.model_fields})
 
 
 def _parse(
-    model: type[_Section],
+    model: type[BaseModel],
     values: dict[str, Any],
     name: str,
     parsed: dict[str, Any],

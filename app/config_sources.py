@@ -22,6 +22,8 @@ SECTIONS = (
     "connections",
 )
 
+NAMED_TABLES = ("providers", "services", "webhooks")  # [<table>.<name>], named by the operator
+
 
 class ConfigError(Exception):
     """The configuration is unusable; the message names the key and says why."""
@@ -31,7 +33,7 @@ def env_variable(key: str) -> str:
     """The environment variable that sets the dotted `key` (`server.public_url` ->
     `BROKER_SERVER_PUBLIC_URL`; a provider's or service's key one level under its table)."""
     parts = key.split(".")
-    depth = 3 if parts[0] in ("providers", "services") else 2
+    depth = 3 if parts[0] in NAMED_TABLES else 2
     return "BROKER_" + "_".join(parts[:depth]).upper()
 
 
@@ -73,10 +75,7 @@ def read_raw(
 
 
 def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
-    named = {
-        table: {name.upper(): name for name in raw.get(table, {})}
-        for table in ("providers", "services")
-    }
+    named = {table: {name.upper(): name for name in raw.get(table, {})} for table in NAMED_TABLES}
     for variable, value in environ.items():
         if not variable.startswith("BROKER_") or variable == "BROKER_CONFIG":
             continue
@@ -128,6 +127,8 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
 def _resolve_files(raw: dict[str, Any], prefix: str = "") -> None:
     for key in [k for k in raw if isinstance(k, str)]:
         value = raw[key]
+        if not prefix and key == "webhooks":
+            continue  # a webhook's `secret_file` is read by its settings, which allow no other
         if isinstance(value, dict):
             _resolve_files(value, f"{prefix}{key}.")
         elif key.endswith("_file") and isinstance(value, str):

@@ -71,6 +71,7 @@ from app.pages import oauth as oauth_pages
 from app.resources import resource_dir
 from app.security_log import SecurityLog
 from app.templating import render
+from app.webhooks.delivery import Webhooks
 
 logger = logging.getLogger("broker")
 ENGINE_CLOSE_TIMEOUT_SECONDS = 5  # a shutdown never waits longer for the database
@@ -102,6 +103,7 @@ class Shared:
     connect_api: ConnectApi
     service_secrets: ServiceSecrets
     user_proofs: UserProofs  # the services that prove their users with the users' tokens
+    webhooks: Webhooks  # lifecycle events posted to `[webhooks.<name>]`, in a loop of their own
 
 
 def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
@@ -201,6 +203,13 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         connect_api=ConnectApi(rounds, codec),
         service_secrets=ServiceSecrets(store, keys.signing, security, limits),
         user_proofs=user_proofs(settings, identity_issuer, security),
+        webhooks=Webhooks(
+            webhooks=settings.webhooks,
+            sessionmaker=sessionmaker,
+            http=http,
+            metrics=metrics,
+            postgres=not is_sqlite(settings.database.url),
+        ),
     )
 
 
@@ -280,13 +289,20 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await shared.notifier.start()
         settle_for_serving()
-        housekeeping = asyncio.create_task(_housekeeping_forever(shared))
+        loops = [asyncio.create_task(_housekeeping_forever(shared))]
+        if shared.webhooks.configured:
+            # a new webhook's events start here, before the first request; if the database does
+            # not answer yet, the delivery loop starts it later
+            with contextlib.suppress(*DATABASE_ERRORS):
+                await shared.webhooks.start()
+            loops.append(asyncio.create_task(shared.webhooks.forever()))
         try:
             yield
         finally:
-            housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await housekeeping
+            for loop in loops:
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
             await shared.notifier.stop()
             await shared.http.aclose()
             answered = await shared.store.close()

@@ -1,5 +1,6 @@
 """Prometheus metrics for `GET /metrics`: requests by route, latency, MCP outcomes, security
-events, the revocation queue, and the process's own CPU, memory and file descriptors.
+events, the revocation queue, webhook deliveries, and the process's own CPU, memory and file
+descriptors.
 
 Counting happens on the hot paths, so it is plain dictionary arithmetic on the event loop's thread
 (about a microsecond a request); prometheus_client only renders the text at scrape time. Every
@@ -7,10 +8,10 @@ label value comes from a fixed set: route templates (`/connect/{flow_id}`, never
 which would put flow ids in the metrics and let a client create series at will), known methods,
 status codes, result types and event names written in the code.
 
-The revocation queue is read from the database at scrape time (app/main.py), so it is the same
-from every process. Everything else each process counts for itself: with `serve --workers N` a
-scrape reports the worker that answered it. Run one worker per replica and let Prometheus scrape
-each replica when exact totals matter.
+The revocation queue and the webhooks' backlogs are read from the database at scrape time
+(app/operations.py), so they are the same from every process. Everything else each process
+counts for itself: with `serve --workers N` a scrape reports the worker that answered it. Run
+one worker per replica and let Prometheus scrape each replica when exact totals matter.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class BrokerMetrics(Collector):
         self.mcp_errors: defaultdict[Labels, int] = defaultdict(int)
         self.security_events: defaultdict[Labels, int] = defaultdict(int)
         self.rate_limited: defaultdict[Labels, int] = defaultdict(int)
+        self.webhook_deliveries: defaultdict[Labels, int] = defaultdict(int)
+        self.webhooks_abandoned: defaultdict[Labels, int] = defaultdict(int)
         self._backlog: RevocationBacklog | None = None
+        self._webhook_backlog: Mapping[str, int] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -106,14 +110,24 @@ class BrokerMetrics(Collector):
         """A request refused for a spent budget: `limit` is "user" or "failed_auths"."""
         self.rate_limited[(limit,)] += 1
 
-    def render(self, backlog: RevocationBacklog | None) -> bytes:
+    def webhook_delivery(self, webhook: str, outcome: str) -> None:
+        """One post to `webhook` (a configured name): `outcome` "ok" (2xx) or "failed"."""
+        self.webhook_deliveries[webhook, outcome] += 1
+
+    def webhook_abandoned(self, webhook: str, count: int = 1) -> None:
+        self.webhooks_abandoned[(webhook,)] += count
+
+    def render(
+        self, backlog: RevocationBacklog | None, webhooks: Mapping[str, int] | None = None
+    ) -> bytes:
         """The registry's text; `backlog` None (the database did not answer) leaves its gauges
-        out, so an alert on their absence fires rather than one on a stale value."""
-        self._backlog = backlog
+        out, so an alert on their absence fires rather than one on a stale value; `webhooks`
+        (events waiting, per webhook) likewise."""
+        self._backlog, self._webhook_backlog = backlog, webhooks
         try:
             return generate_latest(self.registry)
         finally:
-            self._backlog = None
+            self._backlog, self._webhook_backlog = None, None
 
     def collect(self) -> Iterator[Metric]:
         yield _counter(
@@ -154,6 +168,27 @@ class BrokerMetrics(Collector):
             ("limit",),
             self.rate_limited,
         )
+        yield _counter(
+            "broker_webhook_deliveries",
+            "Posts of events to webhooks, by webhook and outcome (ok: 2xx; failed)",
+            ("webhook", "outcome"),
+            self.webhook_deliveries,
+        )
+        yield _counter(
+            "broker_webhook_abandoned",
+            "Events given up 24 hours after they occurred, undelivered, by webhook",
+            ("webhook",),
+            self.webhooks_abandoned,
+        )
+        if self._webhook_backlog is not None:
+            waiting = GaugeMetricFamily(
+                "broker_webhook_backlog",
+                "Events waiting to be delivered, by webhook",
+                labels=("webhook",),
+            )
+            for webhook, count in sorted(self._webhook_backlog.items()):
+                waiting.add_metric((webhook,), count)
+            yield waiting
         if self._backlog is not None:
             yield GaugeMetricFamily(
                 "broker_pending_revocations",

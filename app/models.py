@@ -6,7 +6,17 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import DateTime, Index, Integer, MetaData, String, Text, TypeDecorator, text
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -215,9 +225,24 @@ class AuditEvent(Base):
     """
 
     __tablename__ = "audit_events"
-    __table_args__ = (Index("ix_audit_events_user", "issuer", "subject", "occurred_at"),)
+    __table_args__ = (
+        Index("ix_audit_events_user", "issuer", "subject", "occurred_at"),
+        # the webhooks' reading order on PostgreSQL (app/tables/webhooks.py); empty on SQLite
+        Index(
+            "ix_audit_events_txid",
+            "txid",
+            "id",
+            postgresql_where=text("txid IS NOT NULL"),
+            sqlite_where=text("txid IS NOT NULL"),
+        ),
+        # SQLite: an id is never used twice, even after the newest event is deleted (erasure)
+        {"sqlite_autoincrement": True},
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # PostgreSQL: the id of the transaction that wrote the row (a server default set by the
+    # migration, `pg_current_xact_id()`); NULL on SQLite, where writers take turns
+    txid: Mapped[int | None] = mapped_column(BigInteger)
     occurred_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
     event: Mapped[str] = mapped_column(String(64))
     actor_kind: Mapped[str] = mapped_column(String(16))
@@ -232,3 +257,26 @@ class AuditEvent(Base):
 
     def __repr__(self) -> str:
         return f"AuditEvent(id={self.id}, event={self.event!r})"
+
+
+class WebhookDelivery(Base):
+    """Where one configured webhook is in the stream of audit events (app/webhooks/).
+
+    The cursor (`after_txid`, `after_id`) is the last event delivered or given up; the event
+    after it is the head, tried `attempts` times (counted for `head_id` only), next due at
+    `next_attempt_at`, which a process claiming the webhook moves ahead for as long as it works.
+    """
+
+    __tablename__ = "webhook_deliveries"
+
+    webhook: Mapped[str] = mapped_column(String(64), primary_key=True)
+    after_txid: Mapped[int] = mapped_column(BigInteger, default=0)
+    after_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    head_id: Mapped[int | None] = mapped_column(BigInteger)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(String(64))
+    next_attempt_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"WebhookDelivery(webhook={self.webhook!r}, after_id={self.after_id})"

@@ -23,6 +23,7 @@ from app.deps import SessionmakerDep, SettingsDep
 from app.errors import DATABASE_ERRORS
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.metrics import BrokerMetrics, RevocationBacklog
+from app.webhooks.delivery import Webhooks
 
 logger = logging.getLogger("broker")
 
@@ -71,10 +72,28 @@ async def _metrics(
             headers={"WWW-Authenticate": 'Bearer realm="metrics"', "Cache-Control": "no-store"},
         )
     return Response(
-        metrics.render(await _revocation_backlog(sessionmaker)),
+        metrics.render(
+            await _revocation_backlog(sessionmaker),
+            await _webhook_backlog(sessionmaker, request.app.state.webhooks),
+        ),
         media_type=METRICS_CONTENT_TYPE,
         headers={"Cache-Control": "no-store"},
     )
+
+
+async def _webhook_backlog(
+    sessionmaker: async_sessionmaker[AsyncSession], webhooks: Webhooks
+) -> dict[str, int] | None:
+    """The events waiting for each webhook, or None when the database does not answer in time
+    (or no webhook is configured)."""
+    if not webhooks.configured:
+        return None
+    try:
+        async with asyncio.timeout(BACKLOG_READ_SECONDS), sessionmaker() as session:
+            return await webhooks.backlog(session)
+    except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
+        logger.warning("metrics.webhook_backlog_unavailable error=%s", type(exc).__name__)
+        return None
 
 
 async def _revocation_backlog(

@@ -39,6 +39,7 @@ from app.providers.settings import (
     ApiKeyValidation,
     OAuthProviderSettings,
 )
+from app.webhooks.settings import WebhookSettings
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -72,6 +73,7 @@ TABLES: tuple[tuple[str, type[BaseModel], str, str | None], ...] = (
         "BROKER_PROVIDERS_<NAME>_",
     ),
     ("`[services.<name>]`", ServiceSettings, "services.<name>", "BROKER_SERVICES_<NAME>_"),
+    ("`[webhooks.<name>]`", WebhookSettings, "webhooks.<name>", "BROKER_WEBHOOKS_<NAME>_"),
 )
 
 MEANINGS: dict[str, str] = {
@@ -186,6 +188,11 @@ MEANINGS: dict[str, str] = {
     "services.<name>.token_audience": 'required with `user_proof = "token"`, else refused: the '
     "audience those tokens carry, the sibling's own resource at the IdP (its `/mcp` URL); not the "
     "broker's audience, and not another service's",
+    "webhooks.<name>.url": "absolute http(s) URL (no user info) each event is posted to, signed "
+    "([webhooks.md](webhooks.md)); with webhooks, `audit.retention_days` must be at least 2",
+    "webhooks.<name>.secret_file": "file holding the HMAC secret (16+ characters, e.g. `openssl "
+    "rand -hex 32`); the secret is read from a file only, a missing or empty file is refused",
+    "webhooks.<name>.events": 'event names to post (those of the audit events), or `"*"` for all',
 }
 
 HEADER = """\
@@ -200,12 +207,14 @@ else `./broker.toml` if present. `broker.example.toml` is a commented starting p
 `check-config` and `serve` with a message naming the key.
 
 - Every key can be overridden from the environment: `BROKER_<SECTION>_<KEY>`, e.g.
-  `BROKER_DATABASE_URL`. For a provider or service the variable is
-  `BROKER_PROVIDERS_<NAME>_<KEY>` (`BROKER_SERVICES_<NAME>_<KEY>`), and the table
-  `[providers.<name>]` must exist in the file. Lists are comma-separated or a JSON array.
+  `BROKER_DATABASE_URL`. For a provider, service or webhook the variable is
+  `BROKER_PROVIDERS_<NAME>_<KEY>` (`BROKER_SERVICES_<NAME>_<KEY>`,
+  `BROKER_WEBHOOKS_<NAME>_<KEY>`), and the table `[providers.<name>]` must exist in the file.
+  Lists are comma-separated or a JSON array.
 - A key ending in `_file` reads the value of the key without the suffix from that file (for
   mounted secrets): `client_secret_file = "/run/secrets/github"`, or
-  `BROKER_IDENTITY_LOGIN_CLIENT_SECRET_FILE`.
+  `BROKER_IDENTITY_LOGIN_CLIENT_SECRET_FILE`. A webhook's `secret_file` is its own key: its
+  secret can only come from a file.
 - `serve` also needs `identity.issuer`, `identity.login_client_id` and at least one key in each
   of `keys.signing` and `keys.encryption` (`connect-broker keys generate` prints them).
 """

@@ -1,9 +1,10 @@
 """Every statement on `audit_events`.
 
-Rows are only added (in the transaction of the change they record), listed, and deleted: by the
-retention sweep, and by a user's erasure. A new flow's event is written by the flow insert's own
-statement on PostgreSQL (`with_new_flows`) and right after it, in its transaction, on SQLite
-(`for_new_flow`): the hot round 1 gets no round trip more.
+Rows are only added (in the transaction of the change they record), listed, read in order by the
+webhooks (`settled_after`), and deleted: by the retention sweep, and by a user's erasure. A new
+flow's event is written by the flow insert's own statement on PostgreSQL (`with_new_flows`) and
+right after it, in its transaction, on SQLite (`for_new_flow`): the hot round 1 gets no round
+trip more.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Delete,
     Insert,
@@ -19,10 +21,13 @@ from sqlalchemy import (
     Text,
     bindparam,
     case,
+    cast,
     delete,
     func,
     insert,
+    literal,
     select,
+    tuple_,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.selectable import CTE
@@ -132,3 +137,62 @@ def remove_of_user(issuer: str, subject: str, before: datetime) -> Delete:
     return delete(AuditEvent).where(
         AuditEvent.issuer == issuer, AuditEvent.subject == subject, AuditEvent.occurred_at < before
     )
+
+
+# Where an event stands in the webhooks' order (app/webhooks/delivery.py): (txid, id) on
+# PostgreSQL, (0, id) on SQLite.
+Position = tuple[int, int]
+
+
+def _settled() -> ColumnElement[bool]:
+    """PostgreSQL: written by a transaction older than every one still running. Such a row's
+    place is final: whatever commits later was written by a younger transaction, and so sorts
+    after it in (txid, id) order, whatever ids the sequence handed out meanwhile."""
+    horizon = func.pg_snapshot_xmin(func.pg_current_snapshot())
+    return AuditEvent.txid < cast(cast(horizon, Text), BigInteger)
+
+
+def _after(position: Position, *, postgres: bool) -> ColumnElement[bool]:
+    if postgres:
+        return tuple_(AuditEvent.txid, AuditEvent.id) > tuple_(
+            literal(position[0], BigInteger), literal(position[1], BigInteger)
+        )
+    return AuditEvent.id > position[1]  # SQLite: one writer at a time, ids in commit order
+
+
+def settled_after(
+    position: Position, *, events: tuple[str, ...] | None, limit: int, postgres: bool
+) -> Select[Any]:
+    """Up to `limit` events after `position` (of `events`, or all), in the webhooks' order,
+    that no transaction still running can come before."""
+    conditions = [_after(position, postgres=postgres)]
+    if postgres:
+        conditions.append(_settled())
+    if events is not None:
+        conditions.append(AuditEvent.event.in_(events))
+    order = (AuditEvent.txid, AuditEvent.id) if postgres else (AuditEvent.id,)
+    return select(AuditEvent).where(*conditions).order_by(*order).limit(limit)
+
+
+def newest_settled(*, postgres: bool) -> Select[int | None, int]:
+    """The position of the newest settled event (none when there is no event)."""
+    if postgres:
+        return (
+            select(AuditEvent.txid, AuditEvent.id)
+            .where(AuditEvent.txid.is_not(None), _settled())
+            .order_by(AuditEvent.txid.desc(), AuditEvent.id.desc())
+            .limit(1)
+        )
+    return select(literal(0, BigInteger), func.max(AuditEvent.id)).having(
+        func.max(AuditEvent.id).is_not(None)
+    )
+
+
+def count_after(
+    position: Position, *, events: tuple[str, ...] | None, postgres: bool
+) -> Select[Any]:
+    """How many events (of `events`, or all) come after `position`, settled or not."""
+    conditions = [_after(position, postgres=postgres)]
+    if events is not None:
+        conditions.append(AuditEvent.event.in_(events))
+    return select(func.count()).select_from(AuditEvent).where(*conditions)

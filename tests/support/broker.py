@@ -118,6 +118,7 @@ class BrokerConfig:
     encryption: list[str] = field(default_factory=lambda: [generate_key("e1")])
     providers: dict[str, dict[str, Any]] = field(default_factory=dict)
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
+    webhooks: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,9 +165,10 @@ class BrokerConfig:
             for key, table in nested.items():
                 lines.append(f"[providers.{name}.{key}]")
                 lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
-        for name, values in self.services.items():
-            lines.append(f"[services.{name}]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        for kind, named in (("services", self.services), ("webhooks", self.webhooks)):
+            for name, values in named.items():
+                lines.append(f"[{kind}.{name}]")
+                lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,1 @@
+"""Signed webhooks: lifecycle events (the rows of `audit_events`) posted to operators' URLs."""
