@@ -240,7 +240,9 @@ def test_broker_config_renders_what_the_loader_accepts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_several_workers_on_sqlite_serve_with_a_warning_and_each_logs(workers: int, tmp_path: Path) -> None:
+def test_several_workers_on_sqlite_serve_with_a_warning_and_each_logs(
+    workers: int, tmp_path: Path
+) -> None:
     """The write-lock queue and the WAL bound are per process (README, SQLite): more than one
     worker on SQLite still serves, with a warning that says why it is not advised."""
     config = BrokerConfig(issuer="http://127.0.0.1:1", port=free_port())
