@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.mcp.protocol import INVALID_PARAMS
@@ -297,3 +297,31 @@ async def test_declining_the_choice_ends_the_call_and_a_form_only_client_is_aske
     assert len(offered) == 2
     assert declined["isError"] is True
     assert declined["structuredContent"]["status"] == "declined"
+
+
+async def test_a_connection_of_old_is_taken_over_by_a_grant_with_its_label(
+    mcp: McpHttp, browser: Browser, github: FakeGitHub, token_for: Any, db: AsyncEngine
+) -> None:
+    """Migration 0009 leaves connections made before it with no account id: the next grant of
+    the account with the same label replaces it instead of adding a second connection."""
+    user, work, home = fresh("accounts-old"), fresh("work"), fresh("home")
+    token = token_for(user)
+    await connect_as(mcp, browser, github, token, user, work, new=False)
+    async with db.begin() as connection:  # as 0009 left a connection made before it
+        await connection.execute(
+            update(Connection).where(Connection.subject == user).values(account_id="")
+        )
+
+    await connect_as(mcp, browser, github, token, user, work)
+    after_same = await account_ids(db, user)
+    await connect_as(mcp, browser, github, token, user, home)
+    after_other = await account_ids(db, user)
+
+    assert len(after_same) == 1 and after_same[0].isdigit()
+    assert len(after_other) == 2 and "" not in after_other
+
+
+async def account_ids(db: AsyncEngine, user: str) -> list[str]:
+    statement = select(Connection.account_id).where(Connection.subject == user)
+    async with db.connect() as connection:
+        return list((await connection.execute(statement)).scalars())
