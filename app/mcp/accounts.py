@@ -123,6 +123,8 @@ class BrokerConnections:
     async def require(
         self, provider: str, scopes: tuple[str, ...] = (), *, account: str | None = None
     ) -> Credential:
+        if account is not None and account != NEW_ACCOUNT:
+            return await self._named(provider, scopes, account)
         holding = await held(
             self._context,
             self._caller.principal,
@@ -135,8 +137,6 @@ class BrokerConnections:
         if account == NEW_ACCOUNT and provider != self._connected:
             granted = usable.scopes if usable is not None else holding.granted
             raise ConnectionRequired(provider, scopes, granted=granted)
-        if account is not None and account != NEW_ACCOUNT:
-            return await self._named(provider, scopes, account)
         if usable is None:
             raise ConnectionRequired(provider, scopes, granted=holding.granted)
         if usable.accounts > 1 and provider != self._connected:

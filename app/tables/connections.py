@@ -83,14 +83,15 @@ def with_connection(
     audience: Value,
     *,
     lateral: bool,
+    group_by: Any = None,
 ) -> Rows:
     """`statement` with the matching default connection's HOT_COLUMNS and account count added
-    (NULL when there is none).
+    (NULL and 0 when there is none).
 
-    `lateral` (PostgreSQL): through `LEFT JOIN LATERAL (… LIMIT 1)`, a probe of the unique index
-    per row whatever the table statistics say, never a hash join over the whole table. Otherwise
-    (SQLite) a left join on the default account's id, read (with the count) by correlated
-    subqueries on the same index.
+    `lateral` (PostgreSQL): through `LEFT JOIN LATERAL (… ORDER BY … LIMIT 1)`, a probe of the
+    unique index per row whatever the table statistics say, never a hash join over the whole
+    table. Otherwise (SQLite) a plain left join on the same condition, grouped by `group_by` (the
+    statement's own row, e.g. its primary key), and `_latest_of_group`.
     """
     key = (issuer, subject, provider, audience)
     if lateral:
@@ -100,34 +101,29 @@ def with_connection(
             *(side.c[c.key].label(PREFIX + c.key) for c in HOT_COLUMNS),
             side.c[ACCOUNTS].label(PREFIX + ACCOUNTS),
         )
-    other = aliased(Connection)
-    first = (
-        select(other.id)
-        .where(owned(*key, table=other))
-        .order_by(other.selected_at.desc(), other.id.desc())
-        .limit(inline(1))
-        .scalar_subquery()
-    )
-    count = select(func.count()).where(owned(*key, table=other)).scalar_subquery()
-    joined = statement.outerjoin(Connection, Connection.id == first)
-    return joined.add_columns(
-        *(c.label(PREFIX + c.key) for c in HOT_COLUMNS), count.label(PREFIX + ACCOUNTS)
+    joined = statement.outerjoin(Connection, owned(*key))
+    return _latest_of_group(joined).group_by(group_by)
+
+
+def _latest_of_group(statement: Rows) -> Rows:
+    """SQLite: `max(selected_at)` beside the connection's columns makes them the latest
+    selected row's (a bare column in an aggregate query takes its values from the row holding
+    the maximum: sqlite.org/lang_select.html#bareagg), and `count` the accounts, in one pass
+    over the index range without a sort. Twice cheaper than `ORDER BY … LIMIT 1` and a
+    correlated count; PostgreSQL has no such rule and takes `_default_of`."""
+    return statement.add_columns(
+        *(c.label(PREFIX + c.key) for c in HOT_COLUMNS),
+        func.count(Connection.id).label(PREFIX + ACCOUNTS),
+        func.max(Connection.selected_at).label(PREFIX + "selected_at"),
     )
 
 
 def find_one() -> Rows:
     """The hot read of the default connection, by the bound (issuer, subject, provider,
-    audience), with how many accounts the user holds there."""
+    audience), with how many accounts the user holds there (SQLite: one row, its id NULL when
+    there is none)."""
     key = [bindparam(name, type_=Text) for name in KEY]
-    return (
-        select(
-            *(c.label(PREFIX + c.key) for c in HOT_COLUMNS),
-            func.count().over().label(PREFIX + ACCOUNTS),
-        )
-        .where(owned(*key))
-        .order_by(*DEFAULT_FIRST)
-        .limit(inline(1))
-    )
+    return _latest_of_group(select().select_from(Connection).where(owned(*key)))
 
 
 def find_many() -> Rows:
