@@ -325,3 +325,27 @@ async def account_ids(db: AsyncEngine, user: str) -> list[str]:
     statement = select(Connection.account_id).where(Connection.subject == user)
     async with db.connect() as connection:
         return list((await connection.execute(statement)).scalars())
+
+
+async def test_the_connections_page_lists_each_account_and_disconnects_the_one_pressed(
+    mcp: McpHttp, browser: Browser, github: FakeGitHub, token_for: Any, db: AsyncEngine
+) -> None:
+    """DESIGN §4: each account has its own row and button; a form naming no account among
+    several (an old page) deletes nothing."""
+    user, _, work, home = await two_accounts(mcp, browser, github, token_for, "accounts-page")
+
+    page = await browser.get("/connections")
+    csrf = await browser.csrf_token("/connections")
+    unnamed = await browser.post("/connections/github/disconnect", data={"csrf": csrf})
+    pressed = await browser.post(
+        "/connections/github/disconnect", data={"csrf": csrf, "account": f"@{work}"}
+    )
+    after = await browser.get("/connections")
+
+    assert f"<td>@{work}</td>" in page.text and f"<td>@{home}</td>" in page.text
+    assert f'name="account" value="@{work}"' in page.text
+    assert unnamed.status_code == 400
+    assert "Several accounts" in unnamed.text
+    assert pressed.status_code == 303
+    assert f"<td>@{work}</td>" not in after.text and f"<td>@{home}</td>" in after.text
+    assert len(await account_ids(db, user)) == 1
