@@ -47,7 +47,6 @@ class Credential:
     expires_at: datetime | None = None  # when an OAuth access token stops working; None: unknown
     account_id: str = NO_ACCOUNT_ID  # the account's identity at the provider ("": not known)
     accounts: int = 1  # how many accounts of the provider the user holds there
-    connection_id: int | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,6 @@ def as_credential(row: SealedRow, secret: dict[str, str], *, accounts: int = 1) 
         expires_at=row.expires_at,
         account_id=row.account_id,
         accounts=accounts,
-        connection_id=row.id,
     )
 
 

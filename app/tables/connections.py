@@ -83,15 +83,16 @@ def with_connection(
     audience: Value,
     *,
     lateral: bool,
-    group_by: Any = None,
+    present: Any = None,
 ) -> Rows:
     """`statement` with the matching default connection's HOT_COLUMNS and account count added
     (NULL and 0 when there is none).
 
     `lateral` (PostgreSQL): through `LEFT JOIN LATERAL (… ORDER BY … LIMIT 1)`, a probe of the
     unique index per row whatever the table statistics say, never a hash join over the whole
-    table. Otherwise (SQLite) a plain left join on the same condition, grouped by `group_by` (the
-    statement's own row, e.g. its primary key), and `_latest_of_group`.
+    table. Otherwise (SQLite) a plain left join on the same condition and `_latest_of_group`:
+    one aggregate row, kept only when the statement found its row (`present`, a column of it
+    never NULL, e.g. its primary key, counts more than nothing; cheaper than a GROUP BY).
     """
     key = (issuer, subject, provider, audience)
     if lateral:
@@ -102,7 +103,7 @@ def with_connection(
             side.c[ACCOUNTS].label(PREFIX + ACCOUNTS),
         )
     joined = statement.outerjoin(Connection, owned(*key))
-    return _latest_of_group(joined).group_by(group_by)
+    return _latest_of_group(joined).having(func.count(present) > inline(0))
 
 
 def _latest_of_group(statement: Rows) -> Rows:

@@ -152,7 +152,7 @@ def _with_owners_connection(statement: Rows, *, lateral: bool) -> Rows:
         Flow.provider,
         Flow.audience,
         lateral=lateral,
-        group_by=Flow.id,
+        present=Flow.id,
     )
 
 

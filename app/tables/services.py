@@ -62,7 +62,7 @@ def find_with_connection_one() -> Rows:
         provider,
         ServiceClient.name,
         lateral=False,
-        group_by=ServiceClient.id,
+        present=ServiceClient.id,
     )
 
 
