@@ -146,7 +146,8 @@ class CallToolRound:
 
     async def _answer_choice(self, connections: BrokerConnections, asked: Any) -> ToolResult | None:
         """The client's answer to an account choice this endpoint asked (sealed in the state)."""
-        provider, offered = asked.get("provider"), asked.get("offered")
+        provider = asked.get("provider") if isinstance(asked, dict) else None
+        offered = asked.get("offered") if isinstance(asked, dict) else None
         if not isinstance(provider, str) or not isinstance(offered, list):
             raise invalid_params("Invalid or expired requestState", reason="choice")
         response = self.input_responses.get(input_key(provider))
