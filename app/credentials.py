@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -22,7 +23,14 @@ from app import audit, jsonbytes
 from app.auth.principal import Principal
 from app.clock import utcnow
 from app.crypto import InvalidSeal, Keyring, seal, sealed_key_id, unseal
-from app.models import Connection, ConnectionStatus, PendingRevocation
+from app.models import (
+    BROKER_AUDIENCE,
+    NO_ACCOUNT_ID,
+    Connection,
+    ConnectionStatus,
+    PendingRevocation,
+)
+from app.tables import account_choices as choices_table
 from app.tables import connections as connections_table
 
 logger = logging.getLogger("broker.security")
@@ -37,6 +45,8 @@ class Credential:
     account_label: str | None
     scopes: frozenset[str]
     expires_at: datetime | None = None  # when an OAuth access token stops working; None: unknown
+    account_id: str = NO_ACCOUNT_ID  # the account's identity at the provider ("": not known)
+    accounts: int = 1  # how many accounts of the provider the user holds there
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class ConnectionInfo:
     status: str
     scopes: frozenset[str]
     connected_at: datetime
+    account_id: str = NO_ACCOUNT_ID
+    account: str | None = None  # the account's name, unique among the user's at the provider
 
 
 class SealedSecret(Protocol):
@@ -76,6 +88,8 @@ class SealedRow(SealedSecret, Protocol):
     @property
     def account_label(self) -> str | None: ...
     @property
+    def account_id(self) -> str: ...
+    @property
     def expires_at(self) -> datetime | None: ...
 
 
@@ -93,10 +107,19 @@ async def store(
     secret: dict[str, str],
     scopes: frozenset[str] = frozenset(),
     account_label: str | None = None,
+    account_id: str = NO_ACCOUNT_ID,
     expires_at: datetime | None = None,
 ) -> None:
-    """Insert or replace the sealed credential for (principal, provider, audience); recorded as
-    the user's `credential.stored` (the user completes a flow in their browser)."""
+    """Insert the sealed credential for (principal, provider, audience, account_id), or replace
+    the one of the same upstream account, and make it the default account; recorded as the
+    user's `credential.stored` (the user completes a flow in their browser)."""
+    dialect = session.bind.dialect.name if session.bind else "sqlite"
+    if account_id != NO_ACCOUNT_ID and account_label is not None:
+        await session.execute(
+            connections_table.adopt_unidentified(
+                principal, provider, audience, account_id, account_label
+            )
+        )
     sealed = seal(
         json.dumps(secret).encode(), purpose=_purpose(principal, provider, audience), keys=keys
     )
@@ -111,11 +134,12 @@ async def store(
         "key_id": sealed_key_id(sealed),
         "scopes": " ".join(sorted(scopes)),
         "account_label": account_label,
+        "account_id": account_id,
         "expires_at": expires_at,
         "created_at": now,
         "updated_at": now,
+        "selected_at": now,
     }
-    dialect = session.bind.dialect.name if session.bind else "sqlite"
     await session.execute(connections_table.upsert(dialect, values))
     await audit.record(
         session,
@@ -136,8 +160,17 @@ async def find(
     audience: str,
     for_update: bool = False,
 ) -> Connection | None:
-    """The connection row (`for_update` locks it on PostgreSQL until the transaction ends)."""
+    """The default account's connection row (`for_update` locks it on PostgreSQL until the
+    transaction ends)."""
     statement = connections_table.find(principal, provider, audience, for_update=for_update)
+    return (await session.execute(statement)).scalar_one_or_none()
+
+
+async def find_by_id(
+    session: AsyncSession, connection_id: int, *, for_update: bool = False
+) -> Connection | None:
+    """The connection row `connection_id` (`for_update`: locked on PostgreSQL)."""
+    statement = connections_table.by_id(connection_id, for_update=for_update)
     return (await session.execute(statement)).scalar_one_or_none()
 
 
@@ -164,13 +197,15 @@ def _kind(row: SealedSecret) -> str:
     return "revocation" if isinstance(row, PendingRevocation) else "connection"
 
 
-def as_credential(row: SealedRow, secret: dict[str, str]) -> Credential:
+def as_credential(row: SealedRow, secret: dict[str, str], *, accounts: int = 1) -> Credential:
     return Credential(
         provider=row.provider,
         secret=str(secret.get("api_key") or secret.get("access_token") or ""),
         account_label=row.account_label,
         scopes=frozenset(row.scopes.split()),
         expires_at=row.expires_at,
+        account_id=row.account_id,
+        accounts=accounts,
     )
 
 
@@ -199,7 +234,10 @@ async def list_for(
     session: AsyncSession, *, principal: Principal, audience: str | None
 ) -> list[ConnectionInfo]:
     """The principal's connections made through `audience`, or through any (None)."""
-    rows = (await session.execute(connections_table.of_principal(principal, audience))).scalars()
+    rows = list(
+        (await session.execute(connections_table.of_principal(principal, audience))).scalars()
+    )
+    names = account_names(rows)
     return [
         ConnectionInfo(
             provider=row.provider,
@@ -208,16 +246,73 @@ async def list_for(
             status=row.status,
             scopes=frozenset(row.scopes.split()),
             connected_at=row.created_at,
+            account_id=row.account_id,
+            account=names[row.id],
         )
         for row in rows
     ]
 
 
-async def remove(
+def account_names(rows: Sequence[Connection]) -> dict[int, str | None]:
+    """Each connection's account name, by connection id: its label, unless another account of
+    the same user, provider and audience has the same label (or it has none and has siblings);
+    then the label (or "account") followed by the upstream id. A sole unlabelled connection has
+    no name (None)."""
+    groups: dict[tuple[str, str, str, str], list[Connection]] = {}
+    for row in rows:
+        groups.setdefault((row.issuer, row.subject, row.provider, row.audience), []).append(row)
+    names: dict[int, str | None] = {}
+    for group in groups.values():
+        labels = [row.account_label for row in group]
+        for row in group:
+            if row.account_label is not None and labels.count(row.account_label) == 1:
+                names[row.id] = row.account_label
+            elif len(group) == 1:
+                names[row.id] = None
+            else:
+                names[row.id] = f"{row.account_label or 'account'} ({row.account_id or 'earlier'})"
+    return names
+
+
+async def accounts(
     session: AsyncSession, *, principal: Principal, provider: str, audience: str
-) -> bool:
-    """Delete the connection; True if there was one."""
-    result = await session.execute(connections_table.remove(principal, provider, audience))
+) -> dict[str, Connection]:
+    """The principal's accounts at `provider` through `audience` by name, the default first
+    (an unnamed sole account is named by its provider)."""
+    rows = list(
+        (await session.execute(connections_table.accounts(principal, provider, audience))).scalars()
+    )
+    names = account_names(rows)
+    return {names[row.id] or provider: row for row in rows}
+
+
+async def chosen_account(
+    session: AsyncSession, *, principal: Principal, client_id: str, provider: str
+) -> str | None:
+    """The upstream id of the account the principal chose for the client, if any."""
+    statement = choices_table.chosen(principal, client_id, provider)
+    return (await session.execute(statement)).scalar_one_or_none()
+
+
+async def choose_account(
+    session: AsyncSession, *, principal: Principal, client_id: str, row: Connection
+) -> None:
+    """Remember `row`'s account as the principal's choice for the client, and make it the
+    default account (the most recently selected)."""
+    dialect = session.bind.dialect.name if session.bind else "sqlite"
+    now = utcnow()
+    await session.execute(
+        choices_table.remember(dialect, principal, client_id, row.provider, row.account_id, now)
+    )
+    await session.execute(connections_table.select_account(row.id, now))
+
+
+async def remove(session: AsyncSession, row: Connection) -> bool:
+    """Delete the connection, and every client's choice of its account; True if it was there."""
+    result = await session.execute(connections_table.remove(row.id))
+    if row.audience == BROKER_AUDIENCE:  # choices are made for the broker's own tools
+        principal = Principal(row.issuer, row.subject)
+        await session.execute(choices_table.forget(principal, row.provider, row.account_id))
     return bool(getattr(result, "rowcount", 0))
 
 

@@ -118,17 +118,23 @@ class ConnectionStatus(StrEnum):
     needs_reauth = "needs_reauth"
 
 
+NO_ACCOUNT_ID = ""  # the provider did not say which account it is (API keys; connections of old)
+
+
 class Connection(Base):
-    """A user's standing grant to one provider, as made through one audience (broker or sibling)."""
+    """A user's standing grant to one account at a provider, as made through one audience (broker
+    or sibling). A user may hold several accounts of one provider, told apart by `account_id`, the
+    account's identity at the provider (GitHub's numeric user id, an ID token's `sub`)."""
 
     __tablename__ = "connections"
     __table_args__ = (
         Index(
-            "uq_connections_owner_provider",
+            "uq_connections_owner_account",
             "issuer",
             "subject",
             "provider",
             "audience",
+            "account_id",
             unique=True,
         ),
     )
@@ -143,15 +149,35 @@ class Connection(Base):
     key_id: Mapped[str] = mapped_column(String(32))
     scopes: Mapped[str] = mapped_column(Text, default="")
     account_label: Mapped[str | None] = mapped_column(String(255))
+    account_id: Mapped[str] = mapped_column(String(255), default=NO_ACCOUNT_ID)
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # when the user last connected or chose this account: the latest is the default account
+    selected_at: Mapped[datetime] = mapped_column(UtcDateTime)
     # the day (midnight UTC) it was last used, written by the housekeeping from what each
     # process noted (app/connect/idle.py), never by the credential fetch itself
     last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     def __repr__(self) -> str:
         return f"Connection(id={self.id}, provider={self.provider!r}, status={self.status!r})"
+
+
+class AccountChoice(Base):
+    """The account a user chose for one MCP client (the access token's client id) and provider,
+    kept until that account is disconnected."""
+
+    __tablename__ = "account_choices"
+
+    issuer: Mapped[str] = mapped_column(String(255), primary_key=True)
+    subject: Mapped[str] = mapped_column(String(255), primary_key=True)
+    client_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    provider: Mapped[str] = mapped_column(String(64), primary_key=True)
+    account_id: Mapped[str] = mapped_column(String(255))
+    chosen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    def __repr__(self) -> str:
+        return f"AccountChoice(provider={self.provider!r})"
 
 
 class PendingRevocation(Base):

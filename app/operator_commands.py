@@ -96,18 +96,23 @@ def connections_revoke(args: argparse.Namespace) -> int:
     principal = Principal(*user)
 
     async def revoke(session: Any) -> bool | None:
-        statement = connections_table.find(principal, provider, audience, for_update=True)
-        row = (await session.execute(statement)).scalar_one_or_none()
-        if row is None:
+        """Every account of the user at the provider (each its own connection)."""
+        statement = connections_table.accounts(principal, provider, audience).with_for_update()
+        rows = list((await session.execute(statement)).scalars())
+        if not rows:
             return None
-        return await remove_connection(
-            session,
-            row,
-            sealing=sealing,
-            providers=settings.providers,
-            actor=audit.CLI,
-            event="connection.revoked",
-        )
+        queued = [
+            await remove_connection(
+                session,
+                row,
+                sealing=sealing,
+                providers=settings.providers,
+                actor=audit.CLI,
+                event="connection.revoked",
+            )
+            for row in rows
+        ]
+        return any(queued)
 
     queued = with_session(settings, revoke)
     if queued is None:

@@ -16,7 +16,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from app.clock import utcnow
 from app.db import create_engine, is_sqlite
-from app.models import BROKER_AUDIENCE, Connection, Flow, FlowStatus, UtcDateTime
+from app.models import BROKER_AUDIENCE, NO_ACCOUNT_ID, Connection, Flow, FlowStatus, UtcDateTime
 
 CHUNK = 50_000
 FLOWS_PER_USER = 10
@@ -110,6 +110,8 @@ def _connections(issuer: str, start: int, stop: int) -> Insert:
         literal(FILLER_CREDENTIAL, String),
         literal("seed", String),
         literal("", String),
+        literal(NO_ACCOUNT_ID, String),
+        literal(now, UtcDateTime()),
         literal(now, UtcDateTime()),
         literal(now, UtcDateTime()),
     )
@@ -122,7 +124,9 @@ def _connections(issuer: str, start: int, stop: int) -> Insert:
         "sealed_credential",
         "key_id",
         "scopes",
+        "account_id",
         "created_at",
         "updated_at",
+        "selected_at",
     )
     return insert(Connection).from_select(columns, values)

@@ -147,13 +147,20 @@ class ConnectBroker:
             )
         return _settle(provider, outcome, modern=modern)
 
-    async def credential(self, ctx: Context[Any, Any], provider: str) -> Credential | None:
-        """The caller's credential if connected (never elicits), else None."""
+    async def credential(
+        self, ctx: Context[Any, Any], provider: str, *, account: str | None = None
+    ) -> Credential | None:
+        """The caller's credential if connected (never elicits), else None. With several
+        accounts of the provider, `account` names one (as `connections` names them); without
+        it, the user's default account."""
+        named = {"account": account} if account is not None else {}
         try:
             if self.user_proof:
-                return _exchanged(provider, await self._exchange(provider))
+                return _exchanged(provider, await self._exchange(provider, named))
             found = await self._call(
-                "GET", f"/credentials/{quote(provider, safe='')}", params=_user(self.identity_claim)
+                "GET",
+                f"/credentials/{quote(provider, safe='')}",
+                params={**_user(self.identity_claim), **named},
             )
         except BrokerRefused as refused:
             if refused.code == "not_connected":
@@ -161,12 +168,13 @@ class ConnectBroker:
             raise
         return _credential(found)
 
-    async def _exchange(self, provider: str) -> dict[str, Any]:
+    async def _exchange(self, provider: str, named: dict[str, str]) -> dict[str, Any]:
         """The caller's access token exchanged for the credential (POST /api/v1/token)."""
         form = {
             **TOKEN_EXCHANGE,
             "subject_token": _subject_token(),
             "requested_token_type": CREDENTIAL_TYPE + provider,
+            **named,
         }
         return await self._call("POST", "/token", form=form)
 
@@ -175,10 +183,17 @@ class ConnectBroker:
         found = await self._call("GET", "/connections", **self._caller())
         return list(found.get("connections", []))
 
-    async def disconnect(self, ctx: Context[Any, Any], provider: str) -> bool:
-        """Revoke upstream and delete this service's connection; False if there was none."""
+    async def disconnect(
+        self, ctx: Context[Any, Any], provider: str, *, account: str | None = None
+    ) -> bool:
+        """Revoke upstream and delete this service's connection; False if there was none. With
+        several accounts of the provider, `account` must name one (else BrokerRefused with code
+        `account_required`, and nothing is deleted)."""
+        caller = self._caller()
+        if account is not None:
+            caller.setdefault("params", {})["account"] = account
         try:
-            await self._call("DELETE", f"/connections/{quote(provider, safe='')}", **self._caller())
+            await self._call("DELETE", f"/connections/{quote(provider, safe='')}", **caller)
         except BrokerRefused as refused:
             if refused.code == "not_connected":
                 return False

@@ -173,6 +173,8 @@ MEANINGS: dict[str, str] = {
     "providers.<name>.client_auth_method": "how the token endpoint authenticates the broker",
     "providers.<name>.account_label_claim": 'member (dotted) holding "Connected as …"',
     "providers.<name>.account_label_prefix": "text put before the label (`@` for GitHub)",
+    "providers.<name>.account_id_claim": "member (dotted) of the same document holding the "
+    "account's id at the provider (tells several accounts apart; OpenID: the ID token's `sub`)",
     "providers.<name>.authorize_params": "extra authorize request parameters",
     "providers.<name>.token_types": "`token_type`s accepted (compared lower-case)",
     "providers.<name>.token_member": "member of the token response holding the token (none: "

@@ -70,7 +70,10 @@ def test_a_connection_is_read_by_column_name(name: str, order: Callable[[Rows], 
     record = read.connection(KEY, named_row(compiled))
     assert record is not None
     assert (record.issuer, record.subject, record.provider, record.audience) == KEY
-    fields = ("id", "status", "sealed_credential", "scopes", "account_label", "expires_at")
+    fields = (
+        *("id", "status", "sealed_credential", "scopes", "account_label", "account_id"),
+        *("expires_at", "accounts"),
+    )
     assert [getattr(record, field) for field in fields] == [f"connection_{f}" for f in fields]
 
 

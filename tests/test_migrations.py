@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from app.db import create_engine
 from app.migrate import alembic_config, is_current, upgrade
@@ -19,6 +20,8 @@ from app.models import Base
 from .support.broker import drop_database, fresh_database
 
 pytestmark = pytest.mark.both_databases
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
 
 def _schema_diff(url: str) -> list[Any]:
@@ -64,3 +67,50 @@ def test_upgrade_head_matches_the_models_and_downgrade_removes_everything(
     assert diff == []
     assert current
     assert left == set()
+
+
+def _rows(url: str, sql: str, **params: Any) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        engine = create_engine(url, pool_size=1)
+        try:
+            async with engine.begin() as connection:
+                result = await connection.execute(text(sql), params)
+                return [dict(row) for row in result.mappings()] if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def test_0010_keeps_connections_of_old_and_tells_several_accounts_apart(tmp_path: Path) -> None:
+    """A connection made before 0010 keeps working (account id "" = not known, selected when it
+    was last updated); afterwards a second account of the same provider is a second row."""
+    url = fresh_database(tmp_path, "accounts")
+    values = {"issuer": "https://idp", "subject": "alice", "provider": "github", "at": NOW}
+    insert = (
+        "INSERT INTO connections (issuer, subject, provider, audience, status, sealed_credential,"
+        " key_id, scopes, account_label, created_at, updated_at) VALUES (:issuer, :subject,"
+        " :provider, 'mcp', 'active', 'v1.k.n.c', 'k', '', '@old', :at, :at)"
+    )
+    try:
+        command.upgrade(alembic_config(url), "0009")
+        _rows(url, insert, **values)
+        command.upgrade(alembic_config(url), "head")
+        (kept,) = _rows(url, "SELECT account_id, selected_at, account_label FROM connections")
+        _rows(
+            url,
+            insert.replace(
+                "account_label, created_at", "account_label, account_id, selected_at, created_at"
+            ).replace("'@old', :at", "'@new', '42', :at, :at"),
+            **values,
+        )
+        both = _rows(url, "SELECT account_id FROM connections ORDER BY account_id")
+        command.downgrade(alembic_config(url), "0009")
+        after_downgrade = _rows(url, "SELECT account_label FROM connections")
+    finally:
+        drop_database(url)
+
+    assert (kept["account_id"], kept["account_label"]) == ("", "@old")
+    assert kept["selected_at"] is not None
+    assert [row["account_id"] for row in both] == ["", "42"]
+    assert len(after_downgrade) == 1  # one account per provider again: the latest selected

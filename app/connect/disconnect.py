@@ -29,6 +29,11 @@ class Disconnected:
     existed: bool
     revoked_upstream: bool  # False when the provider has no revocation or it failed
     upstream_failed: bool  # the provider did not confirm: the broker keeps trying
+    # several accounts and none named: nothing was deleted; these are their names
+    choose_from: tuple[str, ...] = ()
+
+
+NOTHING = Disconnected(existed=False, revoked_upstream=False, upstream_failed=False)
 
 
 async def disconnect(
@@ -39,17 +44,26 @@ async def disconnect(
     provider: str,
     audience: str,
     actor: Actor,
+    account: str | None = None,
 ) -> Disconnected:
-    """Delete the connection (queueing its revocation) and commit `session` (with the `actor`'s
-    `connection.disconnected` event), then ask the provider to revoke the grant."""
-    row = await credentials.find(
-        session, principal=principal, provider=provider, audience=audience, for_update=True
+    """Delete the connection of the account named `account` (as `credentials.accounts` names
+    them; None: the only one), queueing its revocation, and commit `session` (with the
+    `actor`'s `connection.disconnected` event), then ask the provider to revoke the grant.
+    With several accounts and none named, nothing is deleted (`choose_from` names them)."""
+    held = await credentials.accounts(
+        session, principal=principal, provider=provider, audience=audience
     )
+    if account is None and len(held) > 1:
+        return Disconnected(
+            existed=True, revoked_upstream=False, upstream_failed=False, choose_from=tuple(held)
+        )
+    found = held.get(account) if account is not None else next(iter(held.values()), None)
+    row = await credentials.find_by_id(session, found.id, for_update=True) if found else None
     if row is None:
-        return Disconnected(existed=False, revoked_upstream=False, upstream_failed=False)
+        return NOTHING
     secret = credentials.open_row(row, keys=revoker.sealing)
     pending = revocations.queue(session, row) if secret and revoker.revocable(provider) else None
-    await credentials.remove(session, principal=principal, provider=provider, audience=audience)
+    await credentials.remove(session, row)
     await audit.record(
         session,
         "connection.disconnected",

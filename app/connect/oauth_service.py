@@ -200,7 +200,7 @@ class OAuthGrants:
         *,
         flow: FlowView,
         tokens: oauth.TokenSet,
-        label: str | None,
+        account: oauth.AccountIdentity,
     ) -> bool:
         """Store the sealed tokens and complete the flow, in the caller's single transaction."""
         won = await flows.transition(
@@ -213,7 +213,7 @@ class OAuthGrants:
             event="flow.completed",
             actor=Actor.user(flow.principal),
             sealed_pkce_verifier=None,
-            account_label=label,
+            account_label=account.label,
             failure=None,
         )
         if not won:
@@ -226,7 +226,8 @@ class OAuthGrants:
             audience=flow.audience,
             secret=tokens.secret(),
             scopes=tokens.scopes,
-            account_label=label,
+            account_label=account.label,
+            account_id=account.account_id,
             expires_at=tokens.expires_at,
         )
         await self._notifier.publish(session, flow.id)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -95,27 +96,30 @@ class UsableCredentials:
             row = await self._store.find_connection(
                 principal.issuer, principal.subject, provider, audience
             )
-        if row is None or row.status != ConnectionStatus.active:
+        if row is None:
+            return None
+        return await self.use(row, accounts=row.accounts)
+
+    async def use(
+        self, row: ConnectionRecord | Connection, *, accounts: int = 1
+    ) -> Credential | None:
+        """The credential of the connection `row` (already read), refreshed first when it
+        expires within five minutes; `accounts`: how many the user holds at its provider."""
+        if row.status != ConnectionStatus.active:
             return None
         self._usage.note(row.id)  # in memory: written by the housekeeping (app/connect/idle.py)
         secret = credentials.open_row(row, keys=self._sealing)
         if secret is None:
             return None
-        settings = self._providers.get(provider)
+        settings = self._providers.get(row.provider)
         if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
-            return credentials.as_credential(row, secret)
+            return credentials.as_credential(row, secret, accounts=accounts)
         async with _process_locks[row.id]:
-            return await self._refresh(
-                settings, principal=principal, provider=provider, audience=audience
-            )
+            found = await self._refresh(settings, connection_id=row.id, provider=row.provider)
+        return replace(found, accounts=accounts) if found is not None else None
 
     async def _refresh(
-        self,
-        settings: OAuthProviderSettings,
-        *,
-        principal: Principal,
-        provider: str,
-        audience: str,
+        self, settings: OAuthProviderSettings, *, connection_id: int, provider: str
     ) -> Credential | None:
         """Refresh under the row's lock, which holds a pooled connection while the provider answers
         (up to its deadline). At most `provider_call_slots` refreshes do so at once, half the pool,
@@ -130,23 +134,16 @@ class UsableCredentials:
             raise
         try:
             return await self._refresh_holding_a_slot(
-                settings, principal=principal, provider=provider, audience=audience
+                settings, connection_id=connection_id, provider=provider
             )
         finally:
             self._call_slots.release()
 
     async def _refresh_holding_a_slot(
-        self,
-        settings: OAuthProviderSettings,
-        *,
-        principal: Principal,
-        provider: str,
-        audience: str,
+        self, settings: OAuthProviderSettings, *, connection_id: int, provider: str
     ) -> Credential | None:
         async with self._sessionmaker.begin() as session:
-            row = await credentials.find(
-                session, principal=principal, provider=provider, audience=audience, for_update=True
-            )
+            row = await credentials.find_by_id(session, connection_id, for_update=True)
             if row is None or row.status != ConnectionStatus.active:
                 return None
             secret = credentials.open_row(row, keys=self._sealing)

@@ -36,9 +36,7 @@ async def remove_connection(
     queued = bool(secret) and revocations.revocable(providers, row.provider) is not None
     if queued:
         revocations.queue(session, row, due_now=True)
-    await credentials.remove(
-        session, principal=principal, provider=row.provider, audience=row.audience
-    )
+    await credentials.remove(session, row)
     if event is not None:
         await audit.record(
             session,

@@ -5,7 +5,8 @@ statements. Through SQLAlchemy's asyncio layer each costs about a millisecond of
 greenlet bridging, and on SQLite a thread hand-off per DBAPI call); straight through the drivers
 it costs tens of microseconds. So these statements, and only these, bypass the ORM:
 
-    find_connection  the sealed credential for (issuer, subject, provider, audience)
+    find_connection  the default account's sealed credential for (issuer, subject, provider,
+                     audience), and how many accounts the user holds there
     insert_flow      a new connect flow, unless the user already has too many open ones
     get_flow_and_connection
                      a flow by id, with its owner's connection for its provider (MCP retries,

@@ -36,7 +36,9 @@ class ConnectionRecord:
     sealed_credential: str
     scopes: str
     account_label: str | None
+    account_id: str
     expires_at: datetime | None
+    accounts: int  # how many accounts of the provider the user holds there; this is the default
 
 
 @dataclass(slots=True)
@@ -60,7 +62,10 @@ class FlowRecord:
 # The columns read, by name, in the order the readers below unpack them.
 CONNECTION_COLUMNS = tuple(
     f"{PREFIX}{name}"
-    for name in ("id", "status", "sealed_credential", "scopes", "account_label", "expires_at")
+    for name in (
+        *("id", "status", "sealed_credential", "scopes", "account_label", "account_id"),
+        *("expires_at", "accounts"),
+    )
 )
 FLOW_COLUMNS = tuple(field.name for field in fields(FlowRecord))
 SERVICE_COLUMNS = ("name", "providers")
@@ -94,7 +99,7 @@ class RowReader:
     def connection(self, key: tuple[str, str, str, str], row: Row) -> ConnectionRecord | None:
         """The connection of (issuer, subject, provider, audience) in `row`, if any."""
         assert self._connection is not None
-        id_, status, sealed_credential, scopes, account_label, expires_at = self._connection(row)
+        id_, status, sealed, scopes, label, account_id, expires_at, accounts = self._connection(row)
         if id_ is None:
             return None
         issuer, subject, provider, audience = key
@@ -105,10 +110,12 @@ class RowReader:
             provider=provider,
             audience=audience,
             status=status,
-            sealed_credential=sealed_credential,
+            sealed_credential=sealed,
             scopes=scopes,
-            account_label=account_label,
+            account_label=label,
+            account_id=account_id,
             expires_at=self._time(expires_at) if expires_at is not None else None,
+            accounts=accounts,
         )
 
     def flow_and_connection(self, row: Row) -> tuple[FlowRecord, ConnectionRecord | None]:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from app import credentials
 from app.auth.bearer import MAX_TOKEN_LENGTH
 from app.auth.principal import McpCaller, Principal
 from app.connect.context import RoundContext
@@ -29,6 +30,7 @@ from app.connect.require import (
     first_usable,
     require_round,
     service_audiences,
+    start_round,
 )
 from app.connect.rounds import ACTIONS, mark_delivered, resume_round
 from app.credentials import Credential
@@ -37,7 +39,7 @@ from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.models import FlowStatus
 from app.providers.settings import SCOPE_PATTERN, OAuthProviderSettings
-from app.storable import StorableText
+from app.storable import StorableText, unstorable_reason
 
 METHOD = "api/connections.require"
 
@@ -97,6 +99,11 @@ class RequireRequest(BaseModel):
     client_name: StorableText | None = Field(default=None, max_length=255)
     request_digest: StorableText = Field(
         default="", max_length=128, description="a digest of the sibling's tool call"
+    )
+    account: Literal["new"] | None = Field(
+        default=None,
+        description='"new": start a connect flow even though the user holds an account of the '
+        "provider (connecting another account adds a connection; the same account replaces it)",
     )
 
 
@@ -174,7 +181,18 @@ class ConnectOutcome(BaseModel):
 
 class ConnectionItem(BaseModel):
     provider: str
-    account: str | None = None
+    account: str | None = Field(
+        default=None,
+        description="the account's name (its label, made unique among the user's accounts of "
+        "the provider); the value of `account` that names it",
+    )
+    account_id: str | None = Field(
+        default=None, description="the account's identity at the provider, when known"
+    )
+    default: bool = Field(
+        default=True,
+        description="the account used when none is named (the latest connected or chosen)",
+    )
     status: str = Field(description="`active` or `needs_reauth`")
     owner: str = Field(
         description='the audience that made it: this service, one it shares from, or "mcp"'
@@ -218,6 +236,35 @@ async def usable_for(
         known=known,
     )
     return _usable(api, found) if found is not None else None
+
+
+def account_name_valid(name: str) -> bool:
+    """An `account` parameter: 1-255 characters of storable text, no control characters."""
+    return (
+        0 < len(name) <= MAX_ACCOUNT_NAME
+        and unstorable_reason(name) is None
+        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
+    )
+
+
+async def named_for(
+    api: ConnectApi, service: Service, provider: str, principal: Principal, account: str
+) -> UsableCredential | None:
+    """The credential of the user's account named `account` (as `GET /connections` names it)
+    among the audiences the service reads, its own first."""
+    for audience in service_audiences(api.rounds.settings, service.name):
+        async with api.rounds.sessionmaker() as session:
+            held = await credentials.accounts(
+                session, principal=principal, provider=provider, audience=audience
+            )
+        row = held.get(account)
+        if row is not None:
+            found = await api.rounds.credentials.use(row, accounts=len(held))
+            return _usable(api, found) if found is not None else None
+    return None
+
+
+MAX_ACCOUNT_NAME = 255
 
 
 def _caller(service: Service, principal: Principal) -> McpCaller:
@@ -279,6 +326,8 @@ async def require_connection(
     api: ConnectApi, service: Service, provider: str, principal: Principal, body: RequireRequest
 ) -> ConnectOutcome:
     ask = _ask(api, service, provider, principal, body)
+    if body.account == "new":
+        return _answer(api, service, await start_round(api.rounds, ask), body)
     return _answer(api, service, await require_round(api.rounds, ask), body)
 
 

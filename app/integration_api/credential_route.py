@@ -34,7 +34,14 @@ from app.config import Settings
 from app.direct import ConnectionRecord
 from app.errors import BrokerError
 from app.integration_api import services
-from app.integration_api.broker import ConnectApi, CredentialView, UsableCredential, usable_for
+from app.integration_api.broker import (
+    ConnectApi,
+    CredentialView,
+    UsableCredential,
+    account_name_valid,
+    named_for,
+    usable_for,
+)
 from app.integration_api.problems import (
     InvalidServiceCredentials,
     NotConnected,
@@ -62,13 +69,24 @@ USER_PARAMETERS = {  # the query, each parameter with its OpenAPI description
     "issuer": "the user's `iss`",
     "subject": "the user's identity claim (`sub`)",
 }
+ACCOUNT_PARAMETER = (
+    "one of the user's accounts at the provider, as `GET /connections` names it; without it, "
+    "the default account (the one most recently connected or chosen)"
+)
 DESCRIPTION = "A usable credential (OAuth access tokens are refreshed first when they expire soon)."
 
 
 def read_user(query_string: bytes) -> tuple[str, str]:
-    """(issuer, subject) from the query, decoded as Starlette decodes one; else
+    """(issuer, subject) from the query (see `read_query`)."""
+    issuer, subject, _ = read_query(query_string)
+    return issuer, subject
+
+
+def read_query(query_string: bytes) -> tuple[str, str, str | None]:
+    """(issuer, subject, account) from the query, decoded as Starlette decodes one; else
     RequestValidationError with every fault, shaped as FastAPI's (`loc`, `msg`, `type`):
-    exactly the two parameters, once each, each 1-255 characters of storable text."""
+    the two user parameters and at most an `account`, once each, each 1-255 characters of
+    storable text (`account` also without control characters)."""
     values: dict[str, list[str]] = {}
     for field in query_string.decode("latin-1").split("&"):
         if field:  # `parse_qsl(…, keep_blank_values=True)`, as Starlette reads a query
@@ -77,9 +95,9 @@ def read_user(query_string: bytes) -> tuple[str, str]:
     errors = [
         _fault(name, "Extra inputs are not permitted", "extra_forbidden")
         for name in values
-        if name not in USER_PARAMETERS
+        if name not in USER_PARAMETERS and name != "account"
     ]
-    for name in USER_PARAMETERS:
+    for name in (*USER_PARAMETERS, "account") if "account" in values else USER_PARAMETERS:
         given = values.get(name, ())
         if len(given) != 1:
             errors.append(
@@ -98,9 +116,13 @@ def read_user(query_string: bytes) -> tuple[str, str]:
             errors.append(
                 _fault(name, f"Value error, the value must not hold {reason}", "value_error")
             )
+        elif name == "account" and not account_name_valid(given[0]):
+            message = "Value error, the value must not hold control characters"
+            errors.append(_fault(name, message, "value_error"))
     if errors:
         raise RequestValidationError(errors)
-    return values["issuer"][0], values["subject"][0]
+    account = values["account"][0] if "account" in values else None
+    return values["issuer"][0], values["subject"][0], account
 
 
 def _unquoted(text: str) -> str:
@@ -145,7 +167,7 @@ async def _fetch(state: State, scope: Scope) -> Response:
     address = client_key(scope.get("client"))
     secrets.refuse_spent_address(address, secret)
     try:
-        issuer, subject = read_user(scope["query_string"])
+        issuer, subject, account = read_query(scope["query_string"])
     except RequestValidationError:  # only the secret's holder learns what the query lacks
         service = await services.authenticate(secrets.store, keys=secrets.signing, secret=secret)
         secrets.verified(address, secret, service)
@@ -162,7 +184,7 @@ async def _fetch(state: State, scope: Scope) -> Response:
     if state.user_proofs.required(service.name):  # the named user is not read for it
         raise UserProofRequired()
     usable = await credential_for(
-        state.settings, state.connect_api, service, provider, issuer, subject, own
+        state.settings, state.connect_api, service, provider, issuer, subject, own, account
     )
     return JsonMessage(usable.document(), 200, NO_STORE)
 
@@ -175,14 +197,18 @@ async def credential_for(
     issuer: str,
     subject: str,
     own: ConnectionRecord | None,
+    account: str | None = None,
 ) -> UsableCredential:
     """The credential `service` may use, given its own connection for the user and provider
-    (`own`, read with the service)."""
+    (`own`, the default account's, read with the service); `account` names another one."""
     check_provider(settings, service, provider)
     principal = known_principal(settings, issuer, subject)
-    found = await usable_for(
-        api, service, provider, principal, known={(provider, service.name): own}
-    )
+    if account is not None:
+        found = await named_for(api, service, provider, principal, account)
+    else:
+        found = await usable_for(
+            api, service, provider, principal, known={(provider, service.name): own}
+        )
     if found is None:
         raise NotConnected()
     return found
@@ -221,6 +247,21 @@ def add_operation(openapi: dict[str, Any]) -> None:
                 "schema": schema,
             }
         )
+    parameters.append(
+        {
+            "description": ACCOUNT_PARAMETER,
+            "in": "query",
+            "name": "account",
+            "required": False,
+            "schema": {
+                "description": ACCOUNT_PARAMETER,
+                "maxLength": MAX_QUERY_VALUE,
+                "minLength": 1,
+                "title": "Account",
+                "type": "string",
+            },
+        }
+    )
     success = {"application/json": {"schema": {"$ref": "#/components/schemas/CredentialView"}}}
     problems = problem_responses(400, 401, 403, 404, 422, 429)
     operation = {

@@ -58,6 +58,16 @@ class NotConnected(BrokerError):
     message = "The user has no usable connection to this provider visible to this service."
 
 
+class AccountRequired(BrokerError):
+    status_code = 409
+    code = "account_required"
+    title = "Several accounts"
+    message = (
+        "The user has several accounts of this provider through this service; name one with "
+        "`account` (as GET /api/v1/connections names them). Nothing was deleted."
+    )
+
+
 class UnknownIssuer(BrokerError):
     status_code = 400
     code = "unknown_issuer"

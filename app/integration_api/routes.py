@@ -49,6 +49,7 @@ from app.integration_api.broker import (
     resume_connection,
 )
 from app.integration_api.problems import (
+    AccountRequired,
     InvalidServiceCredentials,
     NotConnected,
     ProblemRoute,
@@ -134,6 +135,16 @@ UserIssuer = Annotated[
     ),
 ]
 NO_STORE = {"Cache-Control": "no-store"}  # on every answer that carries a credential
+AccountName = Annotated[
+    StorableText | None,
+    Query(
+        min_length=1,
+        max_length=255,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="one of the user's accounts at the provider, as `GET /connections` names "
+        "it; required when there are several",
+    ),
+]
 UserSubject = Annotated[
     StorableText | None,
     Query(
@@ -350,12 +361,15 @@ async def list_connections(
     principal = await query_principal(request, settings, service, token, issuer, subject)
     items = []
     for audience in service_audiences(settings, service.name):
-        for row in await credentials.list_for(session, principal=principal, audience=audience):
+        rows = await credentials.list_for(session, principal=principal, audience=audience)
+        for index, row in enumerate(rows):  # each provider's default account first
             if service.may_use(row.provider):
                 items.append(
                     ConnectionItem(
                         provider=row.provider,
-                        account=row.account_label,
+                        account=row.account,
+                        account_id=row.account_id or None,
+                        default=index == 0 or rows[index - 1].provider != row.provider,
                         status=row.status,
                         owner=audience,
                         connected_at=row.connected_at,
@@ -364,7 +378,7 @@ async def list_connections(
     return ConnectionList(connections=items)
 
 
-@router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404, 503))
+@router.delete("/connections/{provider}", responses=problem_responses(400, 403, 404, 409, 503))
 async def delete_connection(
     provider: str,
     request: Request,
@@ -375,9 +389,11 @@ async def delete_connection(
     token: SubjectToken = None,
     issuer: UserIssuer = None,
     subject: UserSubject = None,
+    account: AccountName = None,
 ) -> Disconnection:
     """Revoke upstream (where supported) and delete the service's own connection of the user
-    named as `GET /connections` names them."""
+    named as `GET /connections` names them: of the account `account` names, or of the only
+    one (409 when there are several and none is named: nothing is deleted)."""
     check_provider(settings, service, provider)
     principal = await query_principal(request, settings, service, token, issuer, subject)
     outcome = await disconnection.disconnect(
@@ -387,7 +403,10 @@ async def delete_connection(
         provider=provider,
         audience=service.name,
         actor=Actor.service(service.name),
+        account=account,
     )
+    if outcome.choose_from:
+        raise AccountRequired()
     if not outcome.existed:
         raise NotConnected()
     return Disconnection(

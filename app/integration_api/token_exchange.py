@@ -28,7 +28,13 @@ from starlette.responses import JSONResponse, Response
 
 from app.clock import utcnow
 from app.errors import BrokerError, problem_instance
-from app.integration_api.broker import ConnectApi, UsableCredential, usable_for
+from app.integration_api.broker import (
+    ConnectApi,
+    UsableCredential,
+    account_name_valid,
+    named_for,
+    usable_for,
+)
 from app.integration_api.problems import (
     IdentityProviderUnavailable,
     InvalidServiceCredentials,
@@ -131,6 +137,13 @@ FORM_SCHEMA = {
         "subject_token": {"type": "string", "description": "the user's access token"},
         "subject_token_type": {"type": "string", "const": ACCESS_TOKEN_TYPE},
         "requested_token_type": {"type": "string", "pattern": f"^{CREDENTIAL_TYPE}[a-z0-9_-]+$"},
+        "account": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 255,
+            "description": "one of the user's accounts at the provider, as GET /connections "
+            "names it; without it, the default account (the latest connected or chosen)",
+        },
     },
 }
 
@@ -166,7 +179,13 @@ async def _exchange(request: Request) -> tuple[UsableCredential, str]:
     address = client_key(request.scope.get("client"))
     principal = await proofs.principal(service, form["subject_token"], address)
     api: ConnectApi = request.app.state.connect_api
-    usable = await usable_for(api, service, provider, principal)
+    account = form.get("account")  # ours: one of several accounts, as GET /connections names it
+    if account is not None and not account_name_valid(account):
+        raise TokenRequestInvalid("account must be 1 to 255 characters, no control characters.")
+    if account is not None:
+        usable = await named_for(api, service, provider, principal, account)
+    else:
+        usable = await usable_for(api, service, provider, principal)
     if usable is None:
         raise NotConnected()
     return usable, provider

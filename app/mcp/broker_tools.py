@@ -11,9 +11,9 @@ from app import credentials
 from app.audit import Actor
 from app.connect.disconnect import disconnect
 from app.connect.revocations import Revoker
+from app.mcp.accounts import MAX_ACCOUNT_NAME, NEW_ACCOUNT, check_account_argument
 from app.mcp.protocol import invalid_params, missing_capability
 from app.mcp.registry import (
-    ConnectionRequired,
     InputRequired,
     Tool,
     ToolCall,
@@ -24,6 +24,13 @@ from app.models import BROKER_AUDIENCE
 from app.providers.settings import ProviderSettings, is_scope_token
 
 PROVIDER_ARGUMENT = {"type": "string", "description": "Provider name, as listed by list_providers"}
+ACCOUNT_ARGUMENT = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_ACCOUNT_NAME,
+    "description": "One of the user's accounts at the provider, named as list_connections lists "
+    "it (several may be connected)",
+}
 CONFIRM_KEY = "confirm_disconnect"
 
 
@@ -64,6 +71,12 @@ class BrokerTools:
                             "items": {"type": "string"},
                             "description": "OAuth scopes the connection must include",
                         },
+                        "account": {
+                            **ACCOUNT_ARGUMENT,
+                            "description": "Use this connected account from now on (named as "
+                            f'list_connections lists it), or "{NEW_ACCOUNT}" to connect another '
+                            "account (connecting one already held refreshes it)",
+                        },
                     },
                     ["provider"],
                 ),
@@ -81,9 +94,12 @@ class BrokerTools:
         registry.add(
             Tool(
                 name="disconnect_account",
-                description="Disconnect the user's account at a provider, after asking to confirm.",
+                description="Disconnect the user's account at a provider, after asking to confirm. "
+                "With several accounts connected there, `account` names the one.",
                 handler=self.disconnect_account,
-                input_schema=_schema({"provider": PROVIDER_ARGUMENT}, ["provider"]),
+                input_schema=_schema(
+                    {"provider": PROVIDER_ARGUMENT, "account": ACCOUNT_ARGUMENT}, ["provider"]
+                ),
                 annotations={"destructiveHint": True, "idempotentHint": True},
             )
         )
@@ -110,7 +126,10 @@ class BrokerTools:
                 "characters",
                 is_error=True,
             )
-        credential = await call.connections.require(provider, tuple(scopes))
+        named = call.arguments.get("account")
+        if named is not None:
+            check_account_argument(named)
+        credential = await call.connections.require(provider, tuple(scopes), account=named)
         account = credential.account_label
         return ToolResult(
             text=f"{settings.display_name} is connected" + (f" as {account}." if account else "."),
@@ -118,14 +137,17 @@ class BrokerTools:
         )
 
     async def list_connections(self, call: ToolCall) -> ToolResult:
+        rows = await self._connections_of(call)
         items = [
             {
                 "provider": row.provider,
-                "account": row.account_label,
+                "account": row.account,
+                "account_id": row.account_id or None,
+                "default": index == 0 or rows[index - 1].provider != row.provider,
                 "status": row.status,
                 "connected_at": row.connected_at.isoformat(),
             }
-            for row in await self._connections_of(call)
+            for index, row in enumerate(rows)  # each provider's default account first
         ]
         return ToolResult(structured={"connections": items})
 
@@ -149,16 +171,31 @@ class BrokerTools:
         if provider not in self.providers:
             return self._unknown_provider(provider)
         name = self.providers[provider].display_name
-        try:
-            credential = await call.connections.require(provider)
-        except ConnectionRequired:
+        named = call.arguments.get("account")
+        if named is not None:
+            check_account_argument(named)
+        async with self._sessionmaker() as session:
+            held = await credentials.accounts(
+                session,
+                principal=call.caller.principal,
+                provider=provider,
+                audience=BROKER_AUDIENCE,
+            )
+        if not held:
             return ToolResult(
                 text=f"{name} is not connected.",
                 structured={"provider": provider, "status": "not_connected"},
             )
-        answer = call.input_responses.get(CONFIRM_KEY) if call.state == provider else None
+        if named is None and len(held) > 1:
+            return _which_account(name, provider, tuple(held))
+        if named is not None and named not in held:
+            raise invalid_params(f"account: no such {name} account is connected")
+        account = named or next(iter(held))
+        expected = provider if named is None else [provider, named]
+        answer = call.input_responses.get(CONFIRM_KEY) if call.state == expected else None
         if answer is None:
-            return _confirm(call, name, credential.account_label, provider)
+            label = held[account].account_label if named is None else named
+            return _confirm(call, name, label, expected)
         if answer.get("action") == "accept" and _confirmed(answer):
             async with self._sessionmaker() as session:
                 outcome = await disconnect(
@@ -168,6 +205,7 @@ class BrokerTools:
                     provider=provider,
                     audience=BROKER_AUDIENCE,
                     actor=Actor.user(call.caller.principal),
+                    account=account,
                 )
             note = (
                 f" {name} could not confirm revoking its grant yet; the broker keeps asking it"
@@ -215,7 +253,17 @@ def _confirmed(answer: dict[str, Any]) -> bool:
     return content.get("confirm") is True
 
 
-def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> InputRequired:
+def _which_account(name: str, provider: str, accounts: tuple[str, ...]) -> ToolResult:
+    """Several accounts and none named: nothing is disconnected (never a guess)."""
+    return ToolResult(
+        text=f"Several {name} accounts are connected ({', '.join(accounts)}). Call "
+        "disconnect_account again with `account` naming the one to disconnect.",
+        structured={"provider": provider, "status": "choose_account", "accounts": list(accounts)},
+        is_error=True,
+    )
+
+
+def _confirm(call: ToolCall, name: str, account: str | None, state: Any) -> InputRequired:
     """A non-secret yes/no question: form mode (an empty `elicitation` object means form)."""
     elicitation: Any = call.capabilities.get("elicitation")
     if not isinstance(elicitation, dict) or not ("form" in elicitation or not elicitation):
@@ -242,7 +290,7 @@ def _confirm(call: ToolCall, name: str, account: str | None, provider: str) -> I
                 },
             }
         },
-        state=provider,
+        state=state,
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from app.auth.principal import McpCaller
-from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
 from app.connect.request_state import StatePayload, StateRejected, arguments_digest
 from app.connect.require import (
@@ -21,13 +20,18 @@ from app.connect.require import (
     Elicitation,
     RoundAsk,
     elicitation,
-    held,
     start_round,
 )
 from app.connect.rounds import ACTIONS, mark_delivered, resume_round
 from app.connect.service import FlowRead, FlowView
-from app.credentials import Credential
 from app.display import display_text
+from app.mcp.accounts import (
+    STATE_KEY,
+    AccountChoiceRequired,
+    BrokerConnections,
+    choice_request,
+    input_key,
+)
 from app.mcp.arguments import check_arguments
 from app.mcp.envelope import HeaderMap, Message, check_param_headers
 from app.mcp.progress import ProgressReporter
@@ -47,35 +51,6 @@ CAPABILITY_FOR_METHOD = {
     "sampling/createMessage": "sampling",
     "roots/list": "roots",
 }
-
-
-class BrokerConnections:
-    """`call.connections` for the broker's own endpoint: credentials of audience "mcp", as
-    app/connect/require.py decides.
-
-    `known`: connection rows already read for this caller (e.g. the one read with the finished
-    flow of a retry), used instead of reading them again.
-    """
-
-    def __init__(
-        self, context: RoundContext, caller: McpCaller, *, known: KnownRows | None = None
-    ) -> None:
-        self._context = context
-        self._caller = caller
-        self._known = known
-
-    async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        holding = await held(
-            self._context,
-            self._caller.principal,
-            provider,
-            scopes,
-            (BROKER_AUDIENCE,),
-            known=self._known,
-        )
-        if holding.usable is None:
-            raise ConnectionRequired(provider, scopes, granted=holding.granted)
-        return holding.usable
 
 
 class CallToolRound:
@@ -135,24 +110,56 @@ class CallToolRound:
                 return resumed  # still waiting, declined, cancelled or expired
             finished_flow = resumed
             known = {(resumed.flow.provider, resumed.flow.audience): resumed.connection}
-        call = ToolCall(
-            name=self.tool.name,
-            arguments=self.arguments,
-            caller=self.caller,
-            client_name=self.client_name,
-            capabilities=self.message.capabilities,
-            input_responses=self.input_responses,
-            state=state.data if state is not None and state.flow_id is None else None,
-            connections=BrokerConnections(self.server.rounds, self.caller, known=known),
-            progress=self.progress,
+        connections = BrokerConnections(
+            self.server.rounds,
+            self.caller,
+            self.message.capabilities,
+            known=known,
+            connected=finished_flow.flow.provider if finished_flow is not None else None,
         )
+        data = state.data if state is not None and state.flow_id is None else None
         try:
+            if isinstance(data, dict) and STATE_KEY in data:
+                ended = await self._answer_choice(connections, data[STATE_KEY])
+                if ended is not None:
+                    return ended.to_wire()
+                data = None  # the tool runs afresh, now with the account chosen
+            call = ToolCall(
+                name=self.tool.name,
+                arguments=self.arguments,
+                caller=self.caller,
+                client_name=self.client_name,
+                capabilities=self.message.capabilities,
+                input_responses=self.input_responses,
+                state=data,
+                connections=connections,
+                progress=self.progress,
+            )
             outcome = await self.tool.handler(call)
         except ConnectionRequired as need:
             return await self._start_flow(need)
+        except AccountChoiceRequired as choice:
+            return self._ask_account(choice)
         if finished_flow is not None and isinstance(outcome, ToolResult):
             await mark_delivered(self.server.rounds, finished_flow)
         return self._shape(outcome)
+
+    async def _answer_choice(self, connections: BrokerConnections, asked: Any) -> ToolResult | None:
+        """The client's answer to an account choice this endpoint asked (sealed in the state)."""
+        provider = asked.get("provider") if isinstance(asked, dict) else None
+        offered = asked.get("offered") if isinstance(asked, dict) else None
+        if not isinstance(provider, str) or not isinstance(offered, list):
+            raise invalid_params("Invalid or expired requestState", reason="choice")
+        response = self.input_responses.get(input_key(provider))
+        return await connections.answer(provider, offered, response)
+
+    def _ask_account(self, choice: AccountChoiceRequired) -> dict[str, Any]:
+        """A form-mode elicitation of which account to use (the client declared form mode)."""
+        settings = self.server.settings.providers.get(choice.provider)
+        name = settings.display_name if settings else choice.provider
+        request = choice_request(name, self.client_name or "this client", choice.names)
+        asked = {"provider": choice.provider, "offered": list(choice.names)}
+        return self._input_required({input_key(choice.provider): request}, data={STATE_KEY: asked})
 
     def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
         if isinstance(outcome, ToolResult):

@@ -64,8 +64,14 @@ class ConnectionRequired(Exception):
 
 
 class Connections(Protocol):
-    async def require(self, provider: str, scopes: tuple[str, ...] = ()) -> Credential:
-        """The caller's credential for `provider`. Raises ConnectionRequired when there is none."""
+    async def require(
+        self, provider: str, scopes: tuple[str, ...] = (), *, account: str | None = None
+    ) -> Credential:
+        """The caller's credential for `provider`. Raises ConnectionRequired when there is none.
+
+        With several accounts connected, `account` names one (as `list_connections` lists it;
+        "new": connect another); None: the one chosen for this client, else the client is asked
+        which (form mode), else the default one (app/mcp/accounts.py)."""
         ...
 
 

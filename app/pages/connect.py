@@ -42,6 +42,7 @@ from app.providers.settings import (
     OAuthProviderSettings,
     ProviderSettings,
 )
+from app.storable import unstorable_reason
 from app.templating import render
 
 router = APIRouter(include_in_schema=False)
@@ -245,7 +246,7 @@ async def connections_page(
                 else row.provider,
                 "audience": row.audience,
                 "used_by": _used_by(settings, row.audience),
-                "account": row.account_label,
+                "account": row.account,
                 "status": row.status,
                 "connected_at": row.connected_at.strftime("%Y-%m-%d %H:%M UTC"),
             }
@@ -266,6 +267,9 @@ async def disconnect(
     if provider not in settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     audience = posted.values.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
+    account = posted.values.get("account") or None  # a sole unnamed account has no name
+    if account is not None and not accounts_shown(account):
+        raise BrokerError("This account name cannot be one of yours.", next_step=BACK)
     outcome = await disconnection.disconnect(
         session,
         revoker,
@@ -273,7 +277,11 @@ async def disconnect(
         provider=provider,
         audience=audience,
         actor=Actor.user(posted.user.principal),
+        account=account,
     )
+    if outcome.choose_from:
+        raise BrokerError("Several accounts of this provider are connected.", next_step=BACK)
+
     if outcome.upstream_failed:
         return render(
             request,
@@ -285,6 +293,14 @@ async def disconnect(
             "settings.",
         )
     return RedirectResponse("/connections", status_code=303)
+
+
+BACK = "Go back to your connections and use the Disconnect button on the account's row."
+
+
+def accounts_shown(name: str) -> bool:
+    """An account name as this page lists them: 1-255 characters, no control characters."""
+    return 0 < len(name) <= 255 and unstorable_reason(name) is None and name.isprintable()
 
 
 def _client(settings: Settings, flow: FlowView) -> dict[str, str | None]:

@@ -186,8 +186,8 @@ async def _exchange_and_store(
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
-    label = await oauth.account_label(provider, grants.http, tokens, id_claims)
-    await grants.complete(session, flow=flow, tokens=tokens, label=label)
+    account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
+    await grants.complete(session, flow=flow, tokens=tokens, account=account)
 
 
 REFUSALS = {

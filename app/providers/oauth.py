@@ -1,5 +1,5 @@
 """Talking to third-party OAuth 2.0 / OpenID providers: authorize URL, code exchange, refresh,
-account label, revocation.
+account label and identity, revocation.
 
 Every call keeps the rules of app/providers/upstream.py (a total deadline, no redirect, at most
 64 KiB read, bodies never logged), sends `Accept: application/json` (GitHub answers form-encoded
@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -41,6 +42,8 @@ INVALID_GRANT_ERRORS = {
 
 # What names an OpenID provider's account without `account_label_claim`, best first
 ID_TOKEN_LABEL_CLAIMS = ("preferred_username", "email", "sub")
+# An account's identity at a provider, as stored: numbers, GUIDs, `sub`s, Atlassian's ids
+ACCOUNT_ID = re.compile(r"[A-Za-z0-9._:@|+=/-]{1,255}")
 
 # A revocation answered with these finds the token already dead: what revoking it was for.
 TOKEN_GONE_ERRORS = {"invalid_auth", "token_revoked", "token_expired", "account_inactive"}
@@ -139,34 +142,68 @@ async def refresh(
     return _token_set(body, tuple(sorted(current_scopes)), provider)
 
 
-async def account_label(
+@dataclass(frozen=True)
+class AccountIdentity:
+    """Who the account is at the provider: its name for the user and its identity there."""
+
+    label: str | None  # "@octocat"; None when it cannot be read (F9)
+    account_id: str  # GitHub's numeric user id, an ID token's `sub`; "" when not known
+
+
+def _account_id(provider: OAuthProviderSettings, value: Any) -> str:
+    """The provider's account id, checked at the edge: a string or integer of 1-255 characters
+    from `ACCOUNT_ID`; anything else is logged and counts as not known ("")."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return ""
+    text = str(value)
+    if ACCOUNT_ID.fullmatch(text) is None:
+        logger.warning("oauth.account_id_invalid provider=%s", provider.display_name)
+        return ""
+    return text
+
+
+def _member(document: Any, path: str) -> Any:
+    for part in path.split("."):
+        document = document.get(part) if isinstance(document, dict) else None
+    return document
+
+
+async def account_identity(
     provider: OAuthProviderSettings,
     http: httpx2.AsyncClient,
     tokens: TokenSet,
     id_claims: dict[str, Any] | None = None,
-) -> str | None:
-    """How the account is named to the user ("@octocat"); None if it cannot be read (F9: the
-    connection is kept, the page shows no name). Without `account_label_claim`, an OpenID
-    provider's account is named by its verified ID token (`id_claims`)."""
+) -> AccountIdentity:
+    """How the account is named to the user ("@octocat"; None if it cannot be read, F9: the
+    connection is kept, the page shows no name) and its identity at the provider (which decides
+    whether a grant replaces a connection or adds one). Without `account_label_claim`, an OpenID
+    provider's account is named by its verified ID token (`id_claims`); its identity is the ID
+    token's `sub` unless `account_id_claim` names a member of the same document as the label."""
+    claims = id_claims or {}
+    id_from_token = _account_id(provider, claims.get("sub")) if claims else ""
     claim = provider.account_label_claim
     if claim is None:
-        return _id_token_label(provider, id_claims or {})
-    document: Any = tokens.extra
-    if provider.userinfo_url:
-        try:
-            document = await get_json(provider, http, provider.userinfo_url, tokens.access_token)
-        except UpstreamError as exc:
-            logger.warning(
-                "oauth.account_label_failed provider=%s reason=%s",
-                provider.display_name,
-                exc.reason,
-            )
-            return None
-    for part in claim.split("."):
-        document = document.get(part) if isinstance(document, dict) else None
-    if not isinstance(document, str | int) or isinstance(document, bool):
-        return None
-    return display_text(f"{provider.account_label_prefix}{document}")
+        document: Any = claims
+    else:
+        document = tokens.extra
+        if provider.userinfo_url:
+            try:
+                document = await get_json(
+                    provider, http, provider.userinfo_url, tokens.access_token
+                )
+            except UpstreamError as exc:
+                logger.warning(
+                    "oauth.account_label_failed provider=%s reason=%s",
+                    provider.display_name,
+                    exc.reason,
+                )
+                return AccountIdentity(None, id_from_token)
+    label = (
+        _id_token_label(provider, claims) if claim is None else _label(provider, document, claim)
+    )
+    id_claim = provider.account_id_claim
+    account_id = _account_id(provider, _member(document, id_claim)) if id_claim else ""
+    return AccountIdentity(label, account_id or id_from_token)
 
 
 def _id_token_label(provider: OAuthProviderSettings, claims: dict[str, Any]) -> str | None:
@@ -175,6 +212,13 @@ def _id_token_label(provider: OAuthProviderSettings, claims: dict[str, Any]) -> 
         if isinstance(value, str) and value:
             return display_text(f"{provider.account_label_prefix}{value}")
     return None
+
+
+def _label(provider: OAuthProviderSettings, document: Any, claim: str) -> str | None:
+    value = _member(document, claim)
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        return None
+    return display_text(f"{provider.account_label_prefix}{value}")
 
 
 async def revoke(

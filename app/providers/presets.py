@@ -23,6 +23,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scope_separator": ",",
         "account_label_claim": "login",
         "account_label_prefix": "@",
+        "account_id_claim": "id",
     },
     "gitlab": {
         "kind": "oauth2",
@@ -34,6 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scopes": ["read_user"],
         "account_label_claim": "username",
         "account_label_prefix": "@",
+        "account_id_claim": "id",
     },
     "google": {
         "kind": "oidc",
@@ -45,6 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "revocation_url": "https://oauth2.googleapis.com/revoke",
         "scopes": ["openid", "email"],
         "account_label_claim": "email",
+        "account_id_claim": "sub",
         "authorize_params": {"access_type": "offline", "prompt": "consent"},
     },
     "slack": {
@@ -70,6 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # userinfo carries `email` (the account label) only when the email scope was granted
         "scopes": ["openid", "profile", "email", "offline_access", "User.Read"],
         "account_label_claim": "email",
+        "account_id_claim": "sub",
     },
     "atlassian": {
         "kind": "oauth2",
@@ -79,6 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "userinfo_url": "https://api.atlassian.com/me",
         "scopes": ["read:me", "offline_access"],
         "account_label_claim": "email",
+        "account_id_claim": "account_id",
         "authorize_params": {"audience": "api.atlassian.com", "prompt": "consent"},
     },
     "linear": {

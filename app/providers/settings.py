@@ -135,6 +135,9 @@ class OAuthProviderSettings(_Provider):
     client_auth_method: Literal["client_secret_basic", "client_secret_post"] = "client_secret_post"
     account_label_claim: str | None = None
     account_label_prefix: str = ""
+    # member (dotted) of the same document holding the account's identity at the provider; an
+    # OpenID provider without it uses the ID token's `sub`
+    account_id_claim: str | None = None
     authorize_params: dict[str, str] = Field(default_factory=dict)
     token_types: tuple[str, ...] = ("bearer",)  # accepted `token_type`s, compared lower-case
     # The token response's member holding the token fields, when not the response itself (Slack's

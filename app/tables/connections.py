@@ -1,7 +1,10 @@
 """Every statement on `connections`.
 
-The hot read (`HOT_COLUMNS`, labelled `connection_<column>`) is the same wherever a connection is
-read beside something else: alone, with a flow, with the service that made it.
+The hot read (`HOT_COLUMNS`, labelled `connection_<column>`, and `connection_accounts`) is the
+same wherever a connection is read beside something else: alone, with a flow, with the service
+that made it. A user may hold several accounts of one provider (one row each, told apart by
+`account_id`): the hot read answers the default one, the latest selected (`DEFAULT_FIRST`), and
+how many there are, so a user with one account costs no second read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.orm import aliased
 
 from app.auth.principal import Principal
 from app.models import Connection
@@ -39,19 +43,35 @@ HOT_COLUMNS = (
     Connection.sealed_credential,
     Connection.scopes,
     Connection.account_label,
+    Connection.account_id,
     Connection.expires_at,
 )
+ACCOUNTS = "accounts"  # how many accounts the user holds there (labelled `connection_accounts`)
 KEY = ("issuer", "subject", "provider", "audience")
 Value = Any  # a column, or a value bound
+DEFAULT_FIRST = (Connection.selected_at.desc(), Connection.id.desc())
 
 
-def owned(issuer: Any, subject: Any, provider: Any, audience: Any) -> ColumnElement[bool]:
-    """The connection of (issuer, subject, provider, audience): one probe of its unique index."""
+def owned(
+    issuer: Any, subject: Any, provider: Any, audience: Any, *, table: Any = Connection
+) -> ColumnElement[bool]:
+    """The connections of (issuer, subject, provider, audience), one per account: a range of
+    the unique index."""
     return and_(
-        Connection.issuer == issuer,
-        Connection.subject == subject,
-        Connection.provider == provider,
-        Connection.audience == audience,
+        table.issuer == issuer,
+        table.subject == subject,
+        table.provider == provider,
+        table.audience == audience,
+    )
+
+
+def _default_of(key: tuple[Value, Value, Value, Value]) -> Rows:
+    """The key's connections, default account first, each with how many there are."""
+    return (
+        select(*HOT_COLUMNS, func.count().over().label(ACCOUNTS))
+        .where(owned(*key))
+        .order_by(*DEFAULT_FIRST)
+        .limit(inline(1))
     )
 
 
@@ -63,28 +83,48 @@ def with_connection(
     audience: Value,
     *,
     lateral: bool,
+    present: Any = None,
 ) -> Rows:
-    """`statement` with the matching connection's HOT_COLUMNS added (NULL when there is none).
+    """`statement` with the matching default connection's HOT_COLUMNS and account count added
+    (NULL and 0 when there is none).
 
-    `lateral` (PostgreSQL): through `LEFT JOIN LATERAL (… LIMIT 1)`, a probe of the unique index
-    per row whatever the table statistics say, never a hash join over the whole table. Otherwise
-    (SQLite) a plain left join on the same condition.
+    `lateral` (PostgreSQL): through `LEFT JOIN LATERAL (… ORDER BY … LIMIT 1)`, a probe of the
+    unique index per row whatever the table statistics say, never a hash join over the whole
+    table. Otherwise (SQLite) a plain left join on the same condition and `_latest_of_group`:
+    one aggregate row, kept only when the statement found its row (`present`, a column of it
+    never NULL, e.g. its primary key, counts more than nothing; cheaper than a GROUP BY).
     """
+    key = (issuer, subject, provider, audience)
     if lateral:
-        found = (
-            select(*HOT_COLUMNS).where(owned(issuer, subject, provider, audience)).limit(inline(1))
-        )
-        side = found.lateral("c")
+        side = _default_of(key).lateral("c")
         joined = statement.outerjoin(side, true())
-        return joined.add_columns(*(side.c[c.key].label(PREFIX + c.key) for c in HOT_COLUMNS))
-    joined = statement.outerjoin(Connection, owned(issuer, subject, provider, audience))
-    return joined.add_columns(*(c.label(PREFIX + c.key) for c in HOT_COLUMNS))
+        return joined.add_columns(
+            *(side.c[c.key].label(PREFIX + c.key) for c in HOT_COLUMNS),
+            side.c[ACCOUNTS].label(PREFIX + ACCOUNTS),
+        )
+    joined = statement.outerjoin(Connection, owned(*key))
+    return _latest_of_group(joined).having(func.count(present) > inline(0))
+
+
+def _latest_of_group(statement: Rows) -> Rows:
+    """SQLite: `max(selected_at)` beside the connection's columns makes them the latest
+    selected row's (a bare column in an aggregate query takes its values from the row holding
+    the maximum: sqlite.org/lang_select.html#bareagg), and `count` the accounts, in one pass
+    over the index range without a sort. Twice cheaper than `ORDER BY … LIMIT 1` and a
+    correlated count; PostgreSQL has no such rule and takes `_default_of`."""
+    return statement.add_columns(
+        *(c.label(PREFIX + c.key) for c in HOT_COLUMNS),
+        func.count(Connection.id).label(PREFIX + ACCOUNTS),
+        func.max(Connection.selected_at).label(PREFIX + "selected_at"),
+    )
 
 
 def find_one() -> Rows:
-    """The hot read of one connection, by the bound (issuer, subject, provider, audience)."""
+    """The hot read of the default connection, by the bound (issuer, subject, provider,
+    audience), with how many accounts the user holds there (SQLite: one row, its id NULL when
+    there is none)."""
     key = [bindparam(name, type_=Text) for name in KEY]
-    return select(*(c.label(PREFIX + c.key) for c in HOT_COLUMNS)).where(owned(*key))
+    return _latest_of_group(select().select_from(Connection).where(owned(*key)))
 
 
 def find_many() -> Rows:
@@ -99,20 +139,72 @@ def find_many() -> Rows:
 def find(
     principal: Principal, provider: str, audience: str, *, for_update: bool
 ) -> Select[Connection]:
-    statement = select(Connection).where(
-        owned(principal.issuer, principal.subject, provider, audience)
+    """The default account's connection (`for_update`: locked, PostgreSQL)."""
+    statement = (
+        select(Connection)
+        .where(owned(principal.issuer, principal.subject, provider, audience))
+        .order_by(*DEFAULT_FIRST)
+        .limit(1)
     )
     return statement.with_for_update() if for_update else statement
 
 
+def by_id(connection_id: int, *, for_update: bool) -> Select[Connection]:
+    statement = select(Connection).where(Connection.id == connection_id)
+    return statement.with_for_update() if for_update else statement
+
+
+def accounts(principal: Principal, provider: str, audience: str) -> Select[Connection]:
+    """Every account of the principal at `provider` through `audience`, the default first."""
+    return (
+        select(Connection)
+        .where(owned(principal.issuer, principal.subject, provider, audience))
+        .order_by(*DEFAULT_FIRST)
+    )
+
+
 def upsert(dialect: str, values: dict[str, Any]) -> Insert:
-    """Insert the row, or replace all but its key and creation time."""
+    """Insert the row, or replace all but its key, account and creation time (the same upstream
+    account connected again)."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    replaced = {k: v for k, v in values.items() if k not in (*KEY, "created_at")}
+    unique = (*KEY, "account_id")
+    replaced = {k: v for k, v in values.items() if k not in (*unique, "created_at")}
     return (
         insert(Connection)
         .values(**values)
-        .on_conflict_do_update(index_elements=list(KEY), set_=replaced)
+        .on_conflict_do_update(index_elements=list(unique), set_=replaced)
+    )
+
+
+def adopt_unidentified(
+    principal: Principal, provider: str, audience: str, account_id: str, label: str
+) -> Update:
+    """Give a connection made before accounts were told apart (empty `account_id`) the id of a
+    new grant with the same account label, unless that account is already connected: the grant
+    then replaces it rather than adding a second row for the same account."""
+    key = (principal.issuer, principal.subject, provider, audience)
+    other = aliased(Connection)
+    taken = select(other.id).where(owned(*key, table=other), other.account_id == account_id)
+    return (
+        update(Connection)
+        .where(
+            owned(*key),
+            Connection.account_id == "",
+            Connection.account_label == label,
+            ~taken.exists(),
+        )
+        .values(account_id=account_id)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def select_account(connection_id: int, now: datetime) -> Update:
+    """Make the connection its user's default account at its provider."""
+    return (
+        update(Connection)
+        .where(Connection.id == connection_id)
+        .values(selected_at=now)
+        .execution_options(synchronize_session=False)
     )
 
 
@@ -123,11 +215,11 @@ def of_principal(principal: Principal, audience: str | None) -> Select[Connectio
     )
     if audience is not None:
         statement = statement.where(Connection.audience == audience)
-    return statement.order_by(Connection.provider, Connection.audience)
+    return statement.order_by(Connection.provider, Connection.audience, *DEFAULT_FIRST)
 
 
-def remove(principal: Principal, provider: str, audience: str) -> Delete:
-    return delete(Connection).where(owned(principal.issuer, principal.subject, provider, audience))
+def remove(connection_id: int) -> Delete:
+    return delete(Connection).where(Connection.id == connection_id)
 
 
 def sealed_with_another_key(key_id: str) -> Select[Connection]:
@@ -158,7 +250,13 @@ def listing(
     return (
         select(Connection)
         .where(*conditions)
-        .order_by(Connection.issuer, Connection.subject, Connection.provider, Connection.audience)
+        .order_by(
+            Connection.issuer,
+            Connection.subject,
+            Connection.provider,
+            Connection.audience,
+            *DEFAULT_FIRST,
+        )
     )
 
 

@@ -146,7 +146,13 @@ def insert_many() -> Insert:
 
 def _with_owners_connection(statement: Rows, *, lateral: bool) -> Rows:
     return with_connection(
-        statement, Flow.issuer, Flow.subject, Flow.provider, Flow.audience, lateral=lateral
+        statement,
+        Flow.issuer,
+        Flow.subject,
+        Flow.provider,
+        Flow.audience,
+        lateral=lateral,
+        present=Flow.id,
     )
 
 

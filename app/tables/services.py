@@ -56,7 +56,13 @@ def find_with_connection_one() -> Rows:
     user = [bindparam(name, type_=Text) for name in USER]
     issuer, subject, provider = user
     return with_connection(
-        _live(_digests()), issuer, subject, provider, ServiceClient.name, lateral=False
+        _live(_digests()),
+        issuer,
+        subject,
+        provider,
+        ServiceClient.name,
+        lateral=False,
+        present=ServiceClient.id,
     )
 
 

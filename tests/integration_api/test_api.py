@@ -967,6 +967,7 @@ async def test_openapi_documents_the_six_integration_operations(openapi: dict[st
         "client_capabilities",
         "client_name",
         "request_digest",
+        "account",  # "new": another account
     }
     assert "required" not in require  # `user`, or `subject_token` for a user_proof service
     assert set(resume["properties"]) == set(require["properties"]) | {
@@ -1005,11 +1006,14 @@ async def test_openapi_documents_the_six_integration_operations(openapi: dict[st
             (parameter["in"], parameter["name"]): parameter
             for parameter in openapi["paths"][path][method]["parameters"]
         }
-        # the user named in the query, or (user_proof = "token") their token in a header
+        # the user named in the query, or (user_proof = "token") their token in a header; a
+        # deletion may name one of several accounts
+        account = {("query", "account")} if method == "delete" else set()
         assert {key for key in parameters if key[0] != "path"} == {
             ("query", "issuer"),
             ("query", "subject"),
             ("header", "Subject-Token"),
+            *account,
         }, path
         for key in (("query", "issuer"), ("query", "subject"), ("header", "Subject-Token")):
             assert parameters[key]["required"] is False, (path, key)
@@ -1019,7 +1023,8 @@ async def test_openapi_documents_the_six_integration_operations(openapi: dict[st
         for parameter in openapi["paths"]["/api/v1/credentials/{provider}"]["get"]["parameters"]
         if parameter["in"] != "path"
     }
-    assert credential_query == {"issuer", "subject"}  # a user_proof service uses /token
+    # a user_proof service uses /token; `account` names one of several accounts
+    assert credential_query == {"issuer", "subject", "account"}
     outcome = openapi["components"]["schemas"]["ConnectOutcome"]
     assert set(outcome["properties"]["status"]["enum"]) == {
         "connected",

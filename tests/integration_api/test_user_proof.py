@@ -222,6 +222,25 @@ async def test_a_valid_token_is_exchanged_for_that_users_credential(
     assert owned == 1
 
 
+async def test_the_exchange_refuses_a_malformed_or_unknown_account(
+    proof: ProofStack, proofed_api: ServiceApi
+) -> None:
+    """`account` (our extension) is checked at the edge; an account not connected is 404."""
+    alice = fresh_user("alice-accounts")
+    await connect_with_token(proof, proofed_api, alice, KEY_A)
+    token = proof.token(alice)
+
+    malformed = await exchange(proofed_api, exchange_form(token, account="bell\x07"))
+    too_long = await exchange(proofed_api, exchange_form(token, account="x" * 256))
+    unknown = await exchange(proofed_api, exchange_form(token, account="@nobody"))
+    default = await exchange(proofed_api, exchange_form(token))
+
+    token_error(malformed, 400, "invalid_request", "invalid_request")
+    token_error(too_long, 400, "invalid_request", "invalid_request")
+    token_error(unknown, 404, "invalid_target", "not_connected")
+    assert ok(default)["access_token"] == KEY_A
+
+
 async def test_another_users_token_reads_that_user_only_whoever_is_named(
     proof: ProofStack, proofed_api: ServiceApi
 ) -> None:

@@ -268,15 +268,17 @@ async def test_disconnect_of_an_unknown_provider_is_a_tool_error(
 async def test_list_connections_shows_provider_account_status_and_time(
     mcp: McpHttp, connected: tuple[str, str]
 ) -> None:
-    """{connections: [{provider, account, status, connected_at}]}, nothing secret."""
+    """{connections: [{provider, account, account_id, default, status, connected_at}]}, nothing
+    secret (an API key's account has no name and no upstream id)."""
     _, token = connected
 
     response = await mcp.call_tool(token, "list_connections")
 
     result = complete(response)
     (item,) = result["structuredContent"]["connections"]
-    assert set(item) == {"provider", "account", "status", "connected_at"}
+    assert set(item) == {"provider", "account", "account_id", "default", "status", "connected_at"}
     assert (item["provider"], item["account"], item["status"]) == ("demo", None, "active")
+    assert (item["account_id"], item["default"]) == (None, True)
     assert datetime.fromisoformat(item["connected_at"]).tzinfo is not None
     assert API_KEY not in response.text
 
@@ -365,7 +367,7 @@ async def test_L13_an_argument_the_schema_does_not_declare_is_refused(
 
     assert message == (
         "Invalid arguments for tool connect_account: unexpected argument bogus "
-        "(accepted: provider, scopes)"
+        "(accepted: account, provider, scopes)"
     )
 
 

@@ -1,0 +1,155 @@
+"""Several GitHub accounts made through a sibling service: listed one by one, fetched by name
+(the default without one), deleted by name (never a guess when there are several)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx2
+import pytest
+
+from ..support.broker import BrokerProcess
+from ..support.clients import Browser
+from ..support.fake_github import FakeGitHub
+from ..support.idp import IdpProcess
+from .test_api import (
+    Registered,
+    ServiceApi,
+    authorize_github,
+    connected,
+    fresh_name,
+    fresh_user,
+    input_required,
+    ok,
+    problem,
+    register,
+)
+
+pytestmark = pytest.mark.both_databases
+
+
+@pytest.fixture(scope="module")
+def service(broker: BrokerProcess) -> Registered:
+    return register(broker, fresh_name("accounts"))
+
+
+@pytest.fixture
+async def api(broker: BrokerProcess, service: Registered) -> AsyncIterator[ServiceApi]:
+    client = ServiceApi(broker.url, service)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(autouse=True)
+def github(fake_github: FakeGitHub) -> Iterator[FakeGitHub]:
+    fake_github.reset()
+    yield fake_github
+    fake_github.reset()
+
+
+async def connect_github(
+    api: ServiceApi,
+    browser: Browser,
+    github: FakeGitHub,
+    user: dict[str, str],
+    login: str,
+    **body: Any,
+) -> dict[str, Any]:
+    """One connect round through the service, approved at the fake as `login`."""
+    github.next_user = login
+    first, flow_id = input_required(await api.require("github", user, **body))
+    await authorize_github(browser, user["subject"], flow_id)
+    return connected(await api.resume("github", user, first["requestState"], **body))
+
+
+async def login_of(github: FakeGitHub, secret: str) -> str:
+    """Who the access token belongs to, as the fake GitHub says."""
+    async with httpx2.AsyncClient(trust_env=False) as http:
+        answer = await http.get(f"{github.url}/user", headers={"Authorization": f"Bearer {secret}"})
+    login: str = answer.json()["login"]
+    return login
+
+
+@pytest.fixture
+async def two_accounts(
+    api: ServiceApi, browser: Browser, github: FakeGitHub, idp: IdpProcess
+) -> tuple[dict[str, str], str, str]:
+    """A fresh user with @work, then @home added by `account: "new"`: (user, work, home)."""
+    user = {"issuer": idp.issuer, "subject": fresh_user("api-accounts")}
+    work, home = fresh_user("work"), fresh_user("home")
+    await connect_github(api, browser, github, user, work)
+    added = await connect_github(api, browser, github, user, home, account="new")
+    assert added["account"] == f"@{home}"
+    return user, work, home
+
+
+async def test_each_account_is_listed_and_fetched_by_name_the_default_without_one(
+    api: ServiceApi, github: FakeGitHub, two_accounts: tuple[dict[str, str], str, str]
+) -> None:
+    """Our decision: without `account`, the default (the latest connected or chosen)."""
+    user, work, home = two_accounts
+
+    listed = ok(await api.connections(user))["connections"]
+    default = ok(await api.http.get("/credentials/github", params=user))
+    named = ok(await api.http.get("/credentials/github", params={**user, "account": f"@{work}"}))
+
+    assert [(item["account"], item["default"]) for item in listed] == [
+        (f"@{home}", True),
+        (f"@{work}", False),
+    ]
+    assert all(item["account_id"].isdigit() for item in listed)
+    assert (default["account"], await login_of(github, default["secret"])) == (f"@{home}", home)
+    assert (named["account"], await login_of(github, named["secret"])) == (f"@{work}", work)
+
+
+async def test_delete_with_several_accounts_needs_the_account_and_leaves_the_other(
+    api: ServiceApi, two_accounts: tuple[dict[str, str], str, str]
+) -> None:
+    """Our decision: never delete a guessed account; 409 names the fault, nothing is deleted."""
+    user, work, home = two_accounts
+
+    unnamed = await api.http.delete("/connections/github", params=user)
+    unknown = await api.http.delete(
+        "/connections/github", params={**user, "account": "@nobody-here"}
+    )
+    deleted = ok(
+        await api.http.delete("/connections/github", params={**user, "account": f"@{work}"})
+    )
+    left = ok(await api.connections(user))["connections"]
+    fetched = ok(await api.http.get("/credentials/github", params=user))
+
+    problem(unnamed, 409, "account_required")
+    problem(unknown, 404, "not_connected")
+    assert deleted["provider"] == "github"
+    assert [item["account"] for item in left] == [f"@{home}"]
+    assert fetched["account"] == f"@{home}"
+
+
+@pytest.mark.parametrize(
+    "account", ["", "x" * 256, "bell\x07"], ids=["empty", "too-long", "control-character"]
+)
+async def test_a_malformed_account_is_a_422_problem_on_fetch_and_delete(
+    api: ServiceApi, two_accounts: tuple[dict[str, str], str, str], account: str
+) -> None:
+    """Checked at the edge, before any account is read: the query's fault, located."""
+    user, _, _ = two_accounts
+
+    fetch = await api.http.get("/credentials/github", params={**user, "account": account})
+    delete = await api.http.delete("/connections/github", params={**user, "account": account})
+    left = ok(await api.connections(user))["connections"]
+
+    for response in (fetch, delete):
+        body = problem(response, 422, "invalid_request")
+        assert [error["loc"] for error in body["errors"]] == [["query", "account"]]
+    assert len(left) == 2
+
+
+async def test_fetching_an_account_not_connected_is_a_404_problem(
+    api: ServiceApi, two_accounts: tuple[dict[str, str], str, str]
+) -> None:
+    user, _, _ = two_accounts
+
+    response = await api.http.get("/credentials/github", params={**user, "account": "@nobody-here"})
+
+    problem(response, 404, "not_connected")
