@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI
 from sqlalchemy import text
@@ -33,6 +35,7 @@ METRICS_PATH = "/metrics"
 ANY_HOST_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, METRICS_PATH})
 READINESS_SECONDS = 3
 BACKLOG_READ_SECONDS = 2  # well within Prometheus's default scrape timeout (10 s)
+T = TypeVar("T")
 
 
 def add_operations_routes(app: FastAPI) -> None:
@@ -84,25 +87,31 @@ async def _metrics(
 async def _webhook_backlog(
     sessionmaker: async_sessionmaker[AsyncSession], webhooks: Webhooks
 ) -> dict[str, int] | None:
-    """The events waiting for each webhook, or None when the database does not answer in time
-    (or no webhook is configured)."""
+    """The events waiting for each webhook, or None (no webhook configured, or no answer)."""
     if not webhooks.configured:
         return None
-    try:
-        async with asyncio.timeout(BACKLOG_READ_SECONDS), sessionmaker() as session:
-            return await webhooks.backlog(session)
-    except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
-        logger.warning("metrics.webhook_backlog_unavailable error=%s", type(exc).__name__)
-        return None
+    return await _read_backlog(
+        sessionmaker, webhooks.backlog, "metrics.webhook_backlog_unavailable"
+    )
 
 
 async def _revocation_backlog(
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> RevocationBacklog | None:
     """The revocation queue for a scrape, or None when the database does not answer in time."""
+    return await _read_backlog(sessionmaker, revocations.backlog, "metrics.backlog_unavailable")
+
+
+async def _read_backlog(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    read: Callable[[AsyncSession], Awaitable[T]],
+    unavailable: str,
+) -> T | None:
+    """`read` for a scrape, or None (and a warning named `unavailable`) when the database does
+    not answer within BACKLOG_READ_SECONDS: the scrape still gets the counters."""
     try:
         async with asyncio.timeout(BACKLOG_READ_SECONDS), sessionmaker() as session:
-            return await revocations.backlog(session)
+            return await read(session)
     except (*DATABASE_ERRORS, OSError, TimeoutError) as exc:
-        logger.warning("metrics.backlog_unavailable error=%s", type(exc).__name__)
+        logger.warning("%s error=%s", unavailable, type(exc).__name__)
         return None
