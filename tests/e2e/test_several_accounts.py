@@ -21,6 +21,8 @@ from ..support.schema import validate
 from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
 
+pytestmark = pytest.mark.both_databases  # the accounts' rows and the remembered choice
+
 TEST_DEADLINE = 55.0
 
 
