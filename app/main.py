@@ -120,7 +120,12 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(10.0, connect=3.0),
         follow_redirects=False,
-        limits=httpx2.Limits(max_connections=50, max_keepalive_connections=10),
+        # An idle connection is dropped after 4 s, before servers that close theirs after 5 s
+        # (uvicorn's default) do: a request sent on a connection the server is closing at that
+        # moment fails with a read error, and a code exchange cannot be sent twice.
+        limits=httpx2.Limits(
+            max_connections=50, max_keepalive_connections=10, keepalive_expiry=4.0
+        ),
         trust_env=False,
     )
     identity_issuer = JwksCache(settings.identity.issuer, http=http)
