@@ -139,6 +139,12 @@ def flow_scopes(
     return tuple(dict.fromkeys((*settings.scopes, *requested, *sorted(granted))))
 
 
+def form_declared(capabilities: Mapping[str, Any]) -> bool:
+    """The client declared form-mode elicitation (an empty `elicitation` object means form)."""
+    elicitation = capabilities.get("elicitation")
+    return isinstance(elicitation, dict) and ("form" in elicitation or not elicitation)
+
+
 def url_declared(capabilities: Mapping[str, Any]) -> bool:
     """The client declared URL-mode elicitation (`{"elicitation": {}}` means form mode only)."""
     elicitation = capabilities.get("elicitation")

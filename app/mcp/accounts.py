@@ -25,7 +25,7 @@ from app import credentials
 from app.auth.principal import McpCaller
 from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
-from app.connect.require import covers, held
+from app.connect.require import covers, form_declared, held
 from app.credentials import Credential
 from app.mcp.protocol import invalid_params
 from app.mcp.registry import ConnectionRequired, ToolResult
@@ -59,12 +59,6 @@ def check_account_argument(value: object, *, name: str = "account") -> str:
     if unstorable_reason(value) is not None or any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise invalid_params(f"{name} must not contain control characters")
     return value
-
-
-def form_declared(capabilities: Mapping[str, Any]) -> bool:
-    """The client declared form-mode elicitation (an empty `elicitation` object means form)."""
-    elicitation = capabilities.get("elicitation")
-    return isinstance(elicitation, dict) and ("form" in elicitation or not elicitation)
 
 
 def input_key(provider: str) -> str:

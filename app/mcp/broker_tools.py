@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app import credentials
 from app.audit import Actor
 from app.connect.disconnect import disconnect
+from app.connect.require import form_declared
 from app.connect.revocations import Revoker
 from app.mcp.accounts import MAX_ACCOUNT_NAME, NEW_ACCOUNT, check_account_argument
 from app.mcp.protocol import invalid_params, missing_capability
@@ -265,8 +266,7 @@ def _which_account(name: str, provider: str, accounts: tuple[str, ...]) -> ToolR
 
 def _confirm(call: ToolCall, name: str, account: str | None, state: Any) -> InputRequired:
     """A non-secret yes/no question: form mode (an empty `elicitation` object means form)."""
-    elicitation: Any = call.capabilities.get("elicitation")
-    if not isinstance(elicitation, dict) or not ("form" in elicitation or not elicitation):
+    if not form_declared(call.capabilities):
         raise missing_capability({"elicitation": {"form": {}}})
     who = f" ({account})" if account else ""
     return InputRequired(
