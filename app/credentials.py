@@ -30,6 +30,7 @@ from app.models import (
     ConnectionStatus,
     PendingRevocation,
 )
+from app.storable import unstorable_reason
 from app.tables import account_choices as choices_table
 from app.tables import connections as connections_table
 
@@ -61,6 +62,7 @@ class ConnectionInfo:
     connected_at: datetime
     account_id: str = NO_ACCOUNT_ID
     account: str | None = None  # the account's name, unique among the user's at the provider
+    default: bool = True  # the account used when none is named (the latest connected or chosen)
 
 
 class SealedSecret(Protocol):
@@ -248,9 +250,28 @@ async def list_for(
             connected_at=row.created_at,
             account_id=row.account_id,
             account=names[row.id],
+            default=index == 0 or _group(rows[index - 1]) != _group(row),
         )
-        for row in rows
+        for index, row in enumerate(rows)  # each group's default account first
     ]
+
+
+def _group(row: Connection) -> tuple[str, str, str, str]:
+    """The accounts a user holds at one provider through one audience."""
+    return (row.issuer, row.subject, row.provider, row.audience)
+
+
+MAX_ACCOUNT_NAME = 255
+
+
+def account_name_valid(name: str) -> bool:
+    """An account's name as a caller gives it (`account`, on every surface): 1-255 characters
+    of storable text, no control characters."""
+    return (
+        0 < len(name) <= MAX_ACCOUNT_NAME
+        and unstorable_reason(name) is None
+        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
+    )
 
 
 def account_names(rows: Sequence[Connection]) -> dict[int, str | None]:
@@ -260,7 +281,7 @@ def account_names(rows: Sequence[Connection]) -> dict[int, str | None]:
     no name (None)."""
     groups: dict[tuple[str, str, str, str], list[Connection]] = {}
     for row in rows:
-        groups.setdefault((row.issuer, row.subject, row.provider, row.audience), []).append(row)
+        groups.setdefault(_group(row), []).append(row)
     names: dict[int, str | None] = {}
     for group in groups.values():
         labels = [row.account_label for row in group]

@@ -39,7 +39,7 @@ from app.errors import BrokerError
 from app.integration_api.services import Service
 from app.models import FlowStatus
 from app.providers.settings import SCOPE_PATTERN, OAuthProviderSettings
-from app.storable import StorableText, unstorable_reason
+from app.storable import StorableText
 
 METHOD = "api/connections.require"
 
@@ -238,15 +238,6 @@ async def usable_for(
     return _usable(api, found) if found is not None else None
 
 
-def account_name_valid(name: str) -> bool:
-    """An `account` parameter: 1-255 characters of storable text, no control characters."""
-    return (
-        0 < len(name) <= MAX_ACCOUNT_NAME
-        and unstorable_reason(name) is None
-        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
-    )
-
-
 async def named_for(
     api: ConnectApi, service: Service, provider: str, principal: Principal, account: str
 ) -> UsableCredential | None:
@@ -262,9 +253,6 @@ async def named_for(
             found = await api.rounds.credentials.use(row, accounts=len(held))
             return _usable(api, found) if found is not None else None
     return None
-
-
-MAX_ACCOUNT_NAME = 255
 
 
 def _caller(service: Service, principal: Principal) -> McpCaller:

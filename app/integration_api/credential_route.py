@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from app.asgi_route import AsgiRoute
 from app.auth.principal import Principal
 from app.config import Settings
+from app.credentials import account_name_valid
 from app.direct import ConnectionRecord
 from app.errors import BrokerError
 from app.integration_api import services
@@ -38,7 +39,6 @@ from app.integration_api.broker import (
     ConnectApi,
     CredentialView,
     UsableCredential,
-    account_name_valid,
     named_for,
     usable_for,
 )

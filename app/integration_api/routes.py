@@ -362,14 +362,14 @@ async def list_connections(
     items = []
     for audience in service_audiences(settings, service.name):
         rows = await credentials.list_for(session, principal=principal, audience=audience)
-        for index, row in enumerate(rows):  # each provider's default account first
+        for row in rows:
             if service.may_use(row.provider):
                 items.append(
                     ConnectionItem(
                         provider=row.provider,
                         account=row.account,
                         account_id=row.account_id or None,
-                        default=index == 0 or rows[index - 1].provider != row.provider,
+                        default=row.default,
                         status=row.status,
                         owner=audience,
                         connected_at=row.connected_at,

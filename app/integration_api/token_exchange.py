@@ -27,11 +27,11 @@ from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from app.clock import utcnow
+from app.credentials import account_name_valid
 from app.errors import BrokerError, problem_instance
 from app.integration_api.broker import (
     ConnectApi,
     UsableCredential,
-    account_name_valid,
     named_for,
     usable_for,
 )

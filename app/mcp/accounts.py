@@ -26,15 +26,13 @@ from app.auth.principal import McpCaller
 from app.connect.context import RoundContext
 from app.connect.refresh import KnownRows
 from app.connect.require import covers, form_declared, held
-from app.credentials import Credential
+from app.credentials import MAX_ACCOUNT_NAME, Credential, account_name_valid
 from app.mcp.protocol import invalid_params
 from app.mcp.registry import ConnectionRequired, ToolResult
 from app.models import BROKER_AUDIENCE, Connection
-from app.storable import unstorable_reason
 
 NEW_ACCOUNT = "new"  # `account` value: connect another account (or the same one again)
 STATE_KEY = "broker.choose_account"  # in the sealed requestState of a choice round
-MAX_ACCOUNT_NAME = 255
 ACTIONS = ("accept", "decline", "cancel")
 ENDED = {"decline": "declined", "cancel": "cancelled"}
 
@@ -56,7 +54,7 @@ def check_account_argument(value: object, *, name: str = "account") -> str:
     """
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_ACCOUNT_NAME:
         raise invalid_params(f"{name} must be a string of 1 to {MAX_ACCOUNT_NAME} characters")
-    if unstorable_reason(value) is not None or any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if not account_name_valid(value):
         raise invalid_params(f"{name} must not contain control characters")
     return value
 

@@ -12,7 +12,8 @@ from app.audit import Actor
 from app.connect.disconnect import disconnect
 from app.connect.require import form_declared
 from app.connect.revocations import Revoker
-from app.mcp.accounts import MAX_ACCOUNT_NAME, NEW_ACCOUNT, check_account_argument
+from app.credentials import MAX_ACCOUNT_NAME
+from app.mcp.accounts import NEW_ACCOUNT, check_account_argument
 from app.mcp.protocol import invalid_params, missing_capability
 from app.mcp.registry import (
     InputRequired,
@@ -138,17 +139,16 @@ class BrokerTools:
         )
 
     async def list_connections(self, call: ToolCall) -> ToolResult:
-        rows = await self._connections_of(call)
         items = [
             {
                 "provider": row.provider,
                 "account": row.account,
                 "account_id": row.account_id or None,
-                "default": index == 0 or rows[index - 1].provider != row.provider,
+                "default": row.default,
                 "status": row.status,
                 "connected_at": row.connected_at.isoformat(),
             }
-            for index, row in enumerate(rows)  # each provider's default account first
+            for row in await self._connections_of(call)  # each default account first
         ]
         return ToolResult(structured={"connections": items})
 
