@@ -140,12 +140,7 @@ def find(
     principal: Principal, provider: str, audience: str, *, for_update: bool
 ) -> Select[Connection]:
     """The default account's connection (`for_update`: locked, PostgreSQL)."""
-    statement = (
-        select(Connection)
-        .where(owned(principal.issuer, principal.subject, provider, audience))
-        .order_by(*DEFAULT_FIRST)
-        .limit(1)
-    )
+    statement = accounts(principal, provider, audience).limit(1)
     return statement.with_for_update() if for_update else statement
 
 
