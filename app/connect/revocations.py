@@ -26,7 +26,7 @@ from sqlalchemy.sql.dml import ReturningUpdate
 
 from app import audit, credentials
 from app.auth.principal import Principal
-from app.clock import utcnow
+from app.clock import doubling_delay, utcnow
 from app.crypto import Keyring
 from app.metrics import RevocationBacklog
 from app.models import Connection, PendingRevocation
@@ -102,7 +102,7 @@ def revocable(
 
 def retry_delay(attempts: int) -> timedelta:
     """How long after the `attempts`-th failed attempt the next one is due."""
-    return timedelta(seconds=min(FIRST_RETRY_SECONDS * 2 ** (attempts - 1), MAX_RETRY_SECONDS))
+    return doubling_delay(attempts, first=FIRST_RETRY_SECONDS, cap=MAX_RETRY_SECONDS)
 
 
 async def backlog(session: AsyncSession) -> RevocationBacklog:

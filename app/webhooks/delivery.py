@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.bug_report import redacted_traceback
-from app.clock import utcnow
+from app.clock import doubling_delay, utcnow
 from app.errors import DATABASE_ERRORS
 from app.metrics import BrokerMetrics
 from app.models import AuditEvent, WebhookDelivery
@@ -60,7 +60,7 @@ EXPIRED = "expired"  # the event was older than GIVE_UP_AFTER before its post
 
 def retry_delay(attempts: int) -> timedelta:
     """How long after the `attempts`-th failed post the next one is due."""
-    return timedelta(seconds=min(FIRST_RETRY_SECONDS * 2 ** (attempts - 1), MAX_RETRY_SECONDS))
+    return doubling_delay(attempts, first=FIRST_RETRY_SECONDS, cap=MAX_RETRY_SECONDS)
 
 
 def position_of(event: AuditEvent) -> Position:
