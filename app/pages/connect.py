@@ -42,7 +42,6 @@ from app.providers.settings import (
     OAuthProviderSettings,
     ProviderSettings,
 )
-from app.storable import unstorable_reason
 from app.templating import render
 
 router = APIRouter(include_in_schema=False)
@@ -299,8 +298,8 @@ BACK = "Go back to your connections and use the Disconnect button on the account
 
 
 def accounts_shown(name: str) -> bool:
-    """An account name as this page lists them: 1-255 characters, no control characters."""
-    return 0 < len(name) <= 255 and unstorable_reason(name) is None and name.isprintable()
+    """An account name as this page lists them: a valid name, and printable throughout."""
+    return credentials.account_name_valid(name) and name.isprintable()
 
 
 def _client(settings: Settings, flow: FlowView) -> dict[str, str | None]:
