@@ -29,7 +29,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.config_sources import SECTIONS, read_raw
+from app.config_sources import NAMED_TABLES, SECTIONS, read_raw
 from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
 from app.config_sources import config_path as config_path
 from app.display import display_text
@@ -368,8 +368,8 @@ def _validate(raw: dict[str, Any], *, source: str) -> Settings:
 def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
     """Every section that parses (keyed as Settings' fields), and every problem found."""
     problems: list[Problem] = []
-    for section in sorted(set(raw) - {*SECTIONS, *TABLES}):
-        problems.append((section, "unknown section" + _suggest(section, [*MODELS, *TABLES])))
+    for section in sorted(set(raw) - {*SECTIONS, *NAMED_TABLES}):
+        problems.append((section, "unknown section" + _suggest(section, [*MODELS, *NAMED_TABLES])))
     parsed: dict[str, Any] = {}
     for name, model in MODELS.items():
         values = dict(raw.get(name, {}))
@@ -452,7 +452,6 @@ def _token_audience_problems(parsed: dict[str, Any]) -> list[Problem]:
     return problems
 
 
-TABLES = ("providers", "services", "webhooks")
 NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 PROVIDER_KEYS = sorted({*ApiKeyProviderSettings.model_fields, *OAuthProviderSettings.model_fields})
 

@@ -21,13 +21,12 @@ from joserfc.jwk import KeySet
 from app.auth.jwks import MAX_DOCUMENT_BYTES
 from app.config import (
     MODELS,
-    TABLES,
     Problem,
     Settings,
     serve_problems,
     validate_all,
 )
-from app.config_sources import ConfigError, env_variable, read_raw
+from app.config_sources import NAMED_TABLES, ConfigError, env_variable, read_raw
 from app.migrate import DatabaseUnreachable, schema_problem, url_problem
 from app.providers.settings import OAuthProviderSettings
 
@@ -63,7 +62,7 @@ def check(path: Path | None, environ: Mapping[str, str]) -> Report:
 def _owner(key: str) -> str:
     """The section, or provider or service table, that `key` belongs to."""
     parts = key.split(".")
-    return ".".join(parts[:2]) if parts[0] in TABLES else parts[0]
+    return ".".join(parts[:2]) if parts[0] in NAMED_TABLES else parts[0]
 
 
 def _origin(key: str, message: str, path: Path | None, environ: Mapping[str, str]) -> str:
