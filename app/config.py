@@ -375,7 +375,7 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
         values = dict(raw.get(name, {}))
         for key, value in values.items():
             if (name, key) in LIST_KEYS and isinstance(value, str):
-                values[key] = [item.strip() for item in value.split(",") if item.strip()]
+                values[key] = _comma_list(value)
         _parse(model, values, name, parsed, problems)
     providers: dict[str, ProviderSettings] = {}
     for name, values in raw.get("providers", {}).items():
@@ -383,10 +383,7 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
             problems.append((f"providers.{name}", "names are lowercase letters, digits, - and _"))
             continue
         if isinstance(values.get("scopes"), str):  # from the environment: a comma list
-            values = {
-                **values,
-                "scopes": [v.strip() for v in values["scopes"].split(",") if v.strip()],
-            }
+            values = {**values, "scopes": _comma_list(values["scopes"])}
         try:
             providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:
@@ -413,9 +410,14 @@ def _webhooks(raw: dict[str, Any], problems: list[Problem]) -> dict[str, Webhook
             continue
         values = dict(values)
         if isinstance(values.get("events"), str):  # from the environment: a comma list
-            values["events"] = [v.strip() for v in values["events"].split(",") if v.strip()]
+            values["events"] = _comma_list(values["events"])
         _parse(WebhookSettings, values, f"webhooks.{name}", webhooks, problems)
     return {name.removeprefix("webhooks."): hook for name, hook in webhooks.items()}
+
+
+def _comma_list(text: str) -> list[str]:
+    """A list given as one string (an environment variable): its comma-separated items."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _retention_problems(parsed: dict[str, Any]) -> list[Problem]:
