@@ -81,13 +81,3 @@ def retry_later(
         .values(head_id=head_id, attempts=attempts, last_error=error[:64], next_attempt_at=at)
         .execution_options(synchronize_session=False)
     )
-
-
-def release(name: str, position: Position, now: datetime) -> Update:
-    """Give the claim back: the webhook is due again at once."""
-    return (
-        update(WebhookDelivery)
-        .where(*_at(name, position))
-        .values(next_attempt_at=now)
-        .execution_options(synchronize_session=False)
-    )
