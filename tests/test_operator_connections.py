@@ -96,7 +96,8 @@ async def test_an_operator_lists_connections_without_secrets_and_revokes_one(
     # the connect round's last retry read the connection: its use is written by the broker's
     # housekeeping within the minute, as the day (midnight UTC), or not yet
     assert line[10] in ("-", datetime.now(UTC).date().isoformat()), line
-    for secret in (row["sealed_credential"], fake_github.issued_access_tokens[-1]):
+    issued = fake_github.issued_access_tokens[-1]
+    for secret in (row["sealed_credential"], issued):
         assert secret not in listed.stdout
     assert user not in by_provider.stdout
     assert revoked.returncode == 0, revoked.stderr
@@ -104,7 +105,8 @@ async def test_an_operator_lists_connections_without_secrets_and_revokes_one(
     assert again.returncode == 1
     assert "no 'github' connection" in again.stderr
     assert (await count(db, user)) == 0
-    assert await queued_for(db, user) == 1
+    # queued for the broker's revocation worker, unless the worker has already revoked it upstream
+    assert await queued_for(db, user) == 1 or not fake_github.is_live(issued)
     (event,) = await events(db, user, "connection.revoked")
     assert (event.actor_kind, event.actor_id, event.detail) == (
         "operator",

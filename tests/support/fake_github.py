@@ -230,6 +230,10 @@ class FakeGitHub:
         self._access.clear()
         self._refresh.clear()
 
+    def is_live(self, access_token: str) -> bool:
+        """Whether an issued access token still works (neither revoked nor rotated away)."""
+        return access_token in self._access
+
     def expire_access_tokens(self) -> None:
         """Invalidate every access token but keep refresh tokens (as after 8 hours)."""
         self._access.clear()
