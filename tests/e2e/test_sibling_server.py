@@ -9,7 +9,7 @@ registered separately without `share_from`, cannot read that connection. A third
 the broker configures with `user_proof = "token"` (BROKER_USER_PROOF=token), proves the user with
 the user's own access token instead of naming them, and disconnects with it too.
 
-One IdP + broker stack for the module, the three siblings started in parallel.
+One IdP + broker stack for the module, the three siblings started in parallel; on both databases.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from ..support.stack import running_stack
 from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
 from .elicitations import Action, UrlElicitations
+
+pytestmark = pytest.mark.both_databases  # the services, flows and connections of three siblings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
