@@ -5,7 +5,11 @@ its own access tokens (audience: its /mcp URL) from the node IdP and asks the br
 through `connect_broker_client`. The official `mcp` client calls its tool with a real token; the
 elicitation callback drives Chromium through the broker's login and consent pages to a fake
 GitHub that approves at once; the client's own retry returns the repositories. A second sibling,
-registered separately without `share_from`, cannot read that connection.
+registered separately without `share_from`, cannot read that connection. A third, whose service
+the broker configures with `user_proof = "token"` (BROKER_USER_PROOF=token), proves the user with
+the user's own access token instead of naming them, and disconnects with it too.
+
+One IdP + broker stack for the module, the three siblings started in parallel; on both databases.
 """
 
 from __future__ import annotations
@@ -49,17 +53,25 @@ from .chromium import open_page, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
 from .elicitations import Action, UrlElicitations
 
+pytestmark = pytest.mark.both_databases  # the services, flows and connections of three siblings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
 SIBLING_START_TIMEOUT = 20.0
 SIBLING_STOP_TIMEOUT = 10.0
 TEST_DEADLINE = 55.0  # every test stays under a minute
 MCP_CLIENT_REDIRECT = "http://127.0.0.1:9/callback"
+REPO_BOT, OTHER_BOT, PROOF_BOT = "repo-bot", "other-bot", "proof-bot"
 OCTOCAT_REPOS = [
     {"name": "hello-world", "full_name": "octocat/hello-world", "private": False},
     {"name": "spoon-knife", "full_name": "octocat/spoon-knife", "private": False},
     {"name": "secret-plans", "full_name": "octocat/secret-plans", "private": True},
 ]
+
+
+def sibling_url(port: int) -> str:
+    """A sibling's /mcp URL: its audience at the IdP (and a proofed service's token_audience)."""
+    return f"http://127.0.0.1:{port}/mcp"
 
 
 @dataclass
@@ -74,7 +86,7 @@ class SiblingProcess:
 
     @property
     def mcp_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/mcp"
+        return sibling_url(self.port)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -90,7 +102,14 @@ class SiblingProcess:
 
 
 def start_sibling(
-    name: str, secret: str, port: int, *, broker: BrokerProcess, idp: IdpProcess, github_url: str
+    name: str,
+    secret: str,
+    port: int,
+    *,
+    broker: BrokerProcess,
+    idp: IdpProcess,
+    github_url: str,
+    user_proof: bool = False,
 ) -> SiblingProcess:
     log_path = broker.log_path.with_name(f"sibling-{name}-{port}.log")
     env = {
@@ -98,8 +117,9 @@ def start_sibling(
         "PYTHONPATH": str(REPO_ROOT),  # the helper package, also without an install
         "BROKER_URL": broker.url,
         "BROKER_SERVICE_SECRET": secret,
+        "BROKER_USER_PROOF": "token" if user_proof else "off",
         "SIBLING_ISSUER": idp.issuer,
-        "SIBLING_AUDIENCE": f"http://127.0.0.1:{port}/mcp",
+        "SIBLING_AUDIENCE": sibling_url(port),
         "SIBLING_NAME": name,
         "GITHUB_API_URL": github_url,
     }
@@ -142,35 +162,46 @@ class Deployment:
     github: FakeGitHub
     repo_bot: SiblingProcess
     other_bot: SiblingProcess
+    proof_bot: SiblingProcess
 
 
 @pytest.fixture(scope="module")
 def deployment(workdir: Path) -> Iterator[Deployment]:
-    """An IdP that issues tokens for the broker and both siblings, the broker with GitHub pointed
-    at its own fake GitHub, and two siblings registered as separate services."""
-    broker_port, bot_port, other_port = free_port(), free_port(), free_port()
+    """An IdP that issues tokens for the broker and the three siblings, the broker with GitHub
+    pointed at its own fake GitHub, and the siblings registered as separate services: proof-bot's
+    with `user_proof = "token"` and its /mcp URL as `token_audience`."""
+    broker_port = free_port()
+    ports = {REPO_BOT: free_port(), OTHER_BOT: free_port(), PROOF_BOT: free_port()}
     broker_url = f"http://127.0.0.1:{broker_port}"
-    resources = [f"http://127.0.0.1:{port}/mcp" for port in (bot_port, other_port)]
+    proofed = {"user_proof": "token", "token_audience": sibling_url(ports[PROOF_BOT])}
     with (
         FakeGitHub(redirect_uri=f"{broker_url}/oauth/github/callback") as github,
         running_stack(
             workdir,
             "siblings",
             port=broker_port,
-            idp={"resources": resources, "mcp_client_redirect": MCP_CLIENT_REDIRECT},
+            idp={
+                "resources": [sibling_url(port) for port in ports.values()],
+                "mcp_client_redirect": MCP_CLIENT_REDIRECT,
+            },
             providers={"github": github_provider(github)},
+            services={PROOF_BOT: proofed},
         ) as stack,
         contextlib.ExitStack() as stops,
     ):
         idp, broker = stack.idp, stack.broker
         common: dict[str, Any] = {"broker": broker, "idp": idp, "github_url": github.url}
-        siblings: list[SiblingProcess] = []
-        for name, port in (("repo-bot", bot_port), ("other-bot", other_port)):
-            siblings.append(start_sibling(name, create_service(broker, name), port, **common))
-            stops.callback(siblings[-1].stop)
-        for sibling in siblings:  # both start in parallel; wait for each
+        siblings: dict[str, SiblingProcess] = {}
+        for name, port in ports.items():
+            secret = create_service(broker, name)
+            proof = name == PROOF_BOT
+            siblings[name] = start_sibling(name, secret, port, user_proof=proof, **common)
+            stops.callback(siblings[name].stop)
+        for sibling in siblings.values():  # all start in parallel; wait for each
             wait_until_serving(sibling)
-        yield Deployment(idp, broker, github, *siblings)
+        yield Deployment(
+            idp, broker, github, siblings[REPO_BOT], siblings[OTHER_BOT], siblings[PROOF_BOT]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +377,56 @@ async def test_another_sibling_cannot_read_the_connection_and_asks_for_its_own(
     assert foreign.status_code == 404
     assert foreign.json()["type"] == "urn:connect-broker:error:not_connected"
     assert await count_rows(deployment_db, "connections", subject=user, audience="other-bot") == 0
+
+
+async def test_a_sibling_with_user_proof_connects_lists_and_disconnects_with_the_users_token(
+    deployment: Deployment, deployment_db: AsyncEngine, context: BrowserContext
+) -> None:
+    """`user_proof = "token"`: the sibling sends the user's own access token, which the IdP
+    issued for the sibling, to require and resume (the broker refuses a proofed service that
+    names the user): the call elicits, Chromium connects GitHub, the retry lists the repositories.
+    `disconnect_github` lists and disconnects with the token in the Subject-Token header: the
+    connection is gone, and a second call finds none. The token is in neither log."""
+    user = "dora-sibling-e2e"
+    bot, broker, github = deployment.proof_bot, deployment.broker, deployment.github
+    token = await access_token(deployment, user, bot)
+    seen: dict[str, Any] = {}
+    wire = WireLog()
+
+    async def connect(url: str) -> Action:
+        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
+
+    elicitations = UrlElicitations(connect)
+    async with (
+        asyncio.timeout(TEST_DEADLINE),
+        official_client(bot.mcp_url, token, elicitations, wire) as client,
+    ):
+        listed = await client.call_tool("list_github_repos", {})
+        owned = await count_rows(
+            deployment_db, "connections", subject=user, provider="github", audience=PROOF_BOT
+        )
+        revocations = github.revocations
+        first = await client.call_tool("disconnect_github", {})
+        second = await client.call_tool("disconnect_github", {})
+
+    (url,) = elicitations.urls
+    assert re.fullmatch(re.escape(f"{broker.url}/connect/") + r"[A-Za-z0-9_-]{43}", url)
+    consent_url, consent_status, consent_text = seen["consent"]
+    assert (consent_url, consent_status) == (url, 200)
+    assert "proof-bot (via a client that calls itself “e2e-official-client”)" in consent_text
+    assert "Connected as @octocat" in seen["landed"][2]
+    assert listed.is_error is False
+    assert structured(listed) == {"result": OCTOCAT_REPOS}
+    flow = await flow_row(deployment_db, url.rsplit("/", 1)[1]) or {}
+    assert (flow["status"], flow["subject"]) == ("consumed", user)  # the user the token names
+    assert owned == 1
+    assert (first.is_error, second.is_error) == (False, False)
+    assert structured(first) == {"result": "Disconnected GitHub (@octocat)."}
+    assert structured(second) == {"result": "GitHub was not connected through this server."}
+    assert github.revocations == revocations + 1
+    wire.validate()
+    assert wire.result_types() == ["input_required", "complete", "complete", "complete"]
+    assert await count_rows(deployment_db, "connections", subject=user, audience=PROOF_BOT) == 0
+    logs = broker.log() + bot.log()
+    assert token not in logs
+    assert token.rsplit(".", 1)[1] not in logs  # not even the signature

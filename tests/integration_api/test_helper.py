@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from connect_broker_client import ConnectBroker, IdpTokenVerifier
+from connect_broker_client import BrokerRefused, ConnectBroker, IdpTokenVerifier
 
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, cli
@@ -67,6 +67,13 @@ class Standing(BaseModel):
     connected: bool
     providers: list[str]
     removed: bool | None
+
+
+class Holding(BaseModel):
+    account: str | None
+    sha256: str | None
+    removed: bool | None
+    refused: str | None
 
 
 @dataclass
@@ -214,6 +221,26 @@ def build_sibling(
         removed = await broker.disconnect(ctx, "demo") if disconnect else None
         providers = sorted(item["provider"] for item in listed)
         return Standing(connected=found is not None, providers=providers, removed=removed)
+
+    @server.tool()
+    async def github_holding(
+        ctx: Context[Any, Any], account: str | None = None, disconnect: bool = False
+    ) -> Holding:
+        """The GitHub account read (`account`, else the default), then disconnected if asked;
+        the broker's refusal of the disconnect answered by its code (test_several_accounts.py)."""
+        found = await broker.credential(ctx, "github", account=account)
+        removed, refused = None, None
+        if disconnect:
+            try:
+                removed = await broker.disconnect(ctx, "github", account=account)
+            except BrokerRefused as refusal:
+                refused = refusal.code
+        return Holding(
+            account=found.account if found is not None else None,
+            sha256=fingerprint(found.secret) if found is not None else None,
+            removed=removed,
+            refused=refused,
+        )
 
     return server
 

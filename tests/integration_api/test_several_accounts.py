@@ -1,5 +1,6 @@
 """Several GitHub accounts made through a sibling service: listed one by one, fetched by name
-(the default without one), deleted by name (never a guess when there are several)."""
+(the default without one), deleted by name (never a guess when there are several); the same
+through the Python helper's `account=` (`connect_broker_client`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .test_api import (
     problem,
     register,
 )
+from .test_helper import Sibling, fingerprint, result_of
 
 pytestmark = pytest.mark.both_databases
 
@@ -153,3 +155,58 @@ async def test_fetching_an_account_not_connected_is_a_404_problem(
     response = await api.http.get("/credentials/github", params={**user, "account": "@nobody-here"})
 
     problem(response, 404, "not_connected")
+
+
+@pytest.fixture
+def helper_sibling(
+    idp: IdpProcess, broker: BrokerProcess, service: Registered
+) -> Iterator[Sibling]:
+    """test_helper.py's sibling (an MCPServer using the helper) as this module's service."""
+    with Sibling(idp, broker.url, service.secret) as running:
+        yield running
+
+
+async def holding(sibling: Sibling, token: str, **arguments: Any) -> dict[str, Any]:
+    """The sibling's `github_holding` tool: what the helper read, removed or was refused."""
+    held: dict[str, Any] = result_of(await sibling.call(token, "github_holding", arguments))[
+        "structuredContent"
+    ]
+    return held
+
+
+async def test_the_helpers_account_reads_and_disconnects_the_named_account_only(
+    api: ServiceApi, helper_sibling: Sibling, two_accounts: tuple[dict[str, str], str, str]
+) -> None:
+    """`credential(ctx, provider, account=...)` reads the named account (the default without
+    one); `disconnect` without `account` among several raises BrokerRefused `account_required`
+    and deletes nothing; with `account=...` only that account goes."""
+    user, work, home = two_accounts
+    token = helper_sibling.token(user["subject"])
+    works = ok(await api.http.get("/credentials/github", params={**user, "account": f"@{work}"}))
+    homes = ok(await api.http.get("/credentials/github", params=user))
+
+    named = await holding(helper_sibling, token, account=f"@{work}")
+    default = await holding(helper_sibling, token)
+    unnamed = await holding(helper_sibling, token, disconnect=True)
+    kept = ok(await api.connections(user))["connections"]
+    removed = await holding(helper_sibling, token, account=f"@{work}", disconnect=True)
+    left = ok(await api.connections(user))["connections"]
+    gone = await holding(helper_sibling, token, account=f"@{work}")
+
+    assert works["secret"] != homes["secret"]
+    assert named == {
+        "account": f"@{work}",
+        "sha256": fingerprint(works["secret"]),
+        "removed": None,
+        "refused": None,
+    }
+    assert (default["account"], default["sha256"]) == (f"@{home}", fingerprint(homes["secret"]))
+    assert (unnamed["account"], unnamed["removed"]) == (f"@{home}", None)
+    assert unnamed["refused"] == "account_required"
+    assert [item["account"] for item in kept] == [f"@{home}", f"@{work}"]
+    assert (removed["account"], removed["removed"], removed["refused"]) == (f"@{work}", True, None)
+    assert [item["account"] for item in left] == [f"@{home}"]
+    assert gone == {"account": None, "sha256": None, "removed": None, "refused": None}
+    deletes = [r for r in helper_sibling.calls.requests if r.method == "DELETE"]
+    assert [r.url.params.get("account") for r in deletes] == [None, f"@{work}"]
+    assert all(r.url.params["subject"] == user["subject"] for r in deletes)

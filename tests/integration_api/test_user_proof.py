@@ -2,20 +2,15 @@
 access token, and a service secret alone reads no one's credential.
 
 A broker of its own (the option is configuration) with two registered services: `proofed`, whose
-tokens are for the example sibling's /mcp URL, and `plain`, configured as before. Tokens are
-signed with the node IdP's own key and verified by the broker against that IdP's JWKS. Every
-refusal is asserted by its own `type` (and, at the token exchange, its RFC 6749 `error`).
+tokens are for its sibling's /mcp URL, and `plain`, configured as before. Tokens are signed with
+the node IdP's own key and verified by the broker against that IdP's JWKS. Every refusal is
+asserted by its own `type` (and, at the token exchange, its RFC 6749 `error`). The example
+sibling with `user_proof = "token"`, end to end with Chromium: tests/e2e/test_sibling_server.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,24 +18,18 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp import Client
-from mcp.client.session import ClientRequestContext
-from mcp.client.streamable_http import streamable_http_client
-from mcp_types import ElicitRequestParams, ElicitRequestURLParams, ElicitResult, Implementation
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_engine
 
-from ..conftest import DEMO_PROVIDER, count_rows, github_provider
+from ..conftest import DEMO_PROVIDER, count_rows
 from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser
-from ..support.fake_github import FakeGitHub
 from ..support.idp import free_port, generate_rsa_jwk, mint_token
 from ..support.stack import Stack, running_stack
 from .test_api import (
     Registered,
     ServiceApi,
-    authorize_github,
     connected,
     fresh_user,
     input_required,
@@ -58,15 +47,11 @@ KEY_A, KEY_B = "sk_CANARYKEY_proof_alice", "sk_CANARYKEY_proof_bob"
 GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
 ACCESS_TOKEN = "urn:ietf:params:oauth:token-type:access_token"
 TOKEN_ERROR_KEYS = {"error", "error_description", "type", "instance"}
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO_ROOT / "examples" / "sibling_server.py"
-SIBLING_START_TIMEOUT = 20.0
 
 
 @dataclass(frozen=True)
 class ProofStack:
     stack: Stack
-    github: FakeGitHub
     sibling_port: int
     proofed: Registered
     plain: Registered
@@ -77,7 +62,7 @@ class ProofStack:
 
     @property
     def audience(self) -> str:
-        """The proofed service's token_audience: the example sibling's /mcp URL."""
+        """The proofed service's token_audience: its sibling's /mcp URL (nothing listens)."""
         return f"http://127.0.0.1:{self.sibling_port}/mcp"
 
     def token(self, user: str, **overrides: Any) -> str:
@@ -90,27 +75,22 @@ class ProofStack:
 
 @contextlib.contextmanager
 def proof_stack(workdir: Path, name: str, **options: Any) -> Iterator[ProofStack]:
-    broker_port, sibling_port = free_port(), free_port()
+    sibling_port = free_port()
     audience = f"http://127.0.0.1:{sibling_port}/mcp"
-    with (
-        FakeGitHub(redirect_uri=f"http://127.0.0.1:{broker_port}/oauth/github/callback") as github,
-        running_stack(
-            workdir,
-            name,
-            port=broker_port,
-            idp={"resources": [audience]},
-            providers={
-                "demo": DEMO_PROVIDER,
-                "github": github_provider(github),
-                "other": DEMO_PROVIDER,  # configured, but neither service may use it
-            },
-            services={PROOFED: {"user_proof": "token", "token_audience": audience}},
-            **options,
-        ) as stack,
-    ):
-        proofed = register(stack.broker, PROOFED, "--providers", "demo,github")
+    with running_stack(
+        workdir,
+        name,
+        idp={"resources": [audience]},
+        providers={
+            "demo": DEMO_PROVIDER,
+            "other": DEMO_PROVIDER,  # configured, but neither service may use it
+        },
+        services={PROOFED: {"user_proof": "token", "token_audience": audience}},
+        **options,
+    ) as stack:
+        proofed = register(stack.broker, PROOFED, "--providers", "demo")
         plain = register(stack.broker, PLAIN, "--providers", "demo")
-        yield ProofStack(stack, github, sibling_port, proofed, plain)
+        yield ProofStack(stack, sibling_port, proofed, plain)
 
 
 @pytest.fixture(scope="module")
@@ -603,108 +583,3 @@ async def test_failed_verifications_spend_the_address_budget_and_the_log_holds_n
         assert token not in log
         assert token.rsplit(".", 1)[1] not in log  # not even the signature
     assert strict.broker.log().count("service.user_proof_failed") == 3
-
-
-# ------------------------------------------------------------------------------------------------
-# The helper, end to end with the example sibling
-# ------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def example_sibling(proof: ProofStack, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`python examples/sibling_server.py` as the proofed service, BROKER_USER_PROOF=token."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "BROKER_URL": proof.broker.url,
-        "BROKER_SERVICE_SECRET": proof.proofed.secret,
-        "BROKER_USER_PROOF": "token",
-        "SIBLING_ISSUER": proof.stack.idp.issuer,
-        "SIBLING_AUDIENCE": proof.audience,
-        "SIBLING_NAME": PROOFED,
-        "GITHUB_API_URL": proof.github.url,
-    }
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--port", str(proof.sibling_port)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        metadata = proof.audience.replace("/mcp", "/.well-known/oauth-protected-resource/mcp")
-        deadline = time.monotonic() + SIBLING_START_TIMEOUT
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            with contextlib.suppress(httpx2.HTTPError):
-                if httpx2.get(metadata, timeout=1, trust_env=False).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-
-async def test_the_example_sibling_with_user_proof_connects_lists_and_disconnects(
-    proof: ProofStack, browser: Browser, proof_db: AsyncEngine
-) -> None:
-    """The official client calls the example's tools with the user's token for the sibling; the
-    helper sends that token (never the user's name) to require, resume and the exchange: the
-    call elicits, the user connects GitHub, the retry lists the repositories. Then
-    `disconnect_github` lists and disconnects with the token in the Subject-Token header: the
-    connection is gone, and a second call finds none."""
-    user = fresh_user("dora")
-    token = proof.token(user)
-    urls: list[str] = []
-
-    async def on_elicit(context: ClientRequestContext, params: ElicitRequestParams) -> ElicitResult:
-        assert isinstance(params, ElicitRequestURLParams)
-        urls.append(params.url)
-        await authorize_github(browser, user, params.url.rsplit("/", 1)[1])
-        return ElicitResult(action="accept")
-
-    http = httpx2.AsyncClient(
-        headers={"Authorization": f"Bearer {token}"}, timeout=30, trust_env=False
-    )
-    log_path = proof.broker.log_path.with_name(f"sibling-proofed-{proof.sibling_port}.log")
-    with example_sibling(proof, log_path):
-        async with (
-            asyncio.timeout(60),
-            http,
-            Client(
-                streamable_http_client(proof.audience, http_client=http),
-                elicitation_callback=on_elicit,
-                client_info=Implementation(name="proof-client", version="1"),
-                read_timeout_seconds=20,
-            ) as client,
-        ):
-            result = await client.call_tool("list_github_repos", {})
-            owned = await count_rows(
-                proof_db, "connections", subject=user, provider="github", audience=PROOFED
-            )
-            first = await client.call_tool("disconnect_github", {})
-            second = await client.call_tool("disconnect_github", {})
-
-    answer = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-    assert answer.get("isError") is not True, answer
-    names = [repo["name"] for repo in answer["structuredContent"]["result"]]
-    assert names == ["hello-world", "spoon-knife", "secret-plans"]
-    assert len(urls) == 1
-    assert owned == 1
-    said = [
-        call.model_dump(by_alias=True, mode="json", exclude_none=True) for call in (first, second)
-    ]
-    assert [call.get("isError") is True for call in said] == [False, False], said
-    assert said[0]["structuredContent"]["result"].startswith("Disconnected GitHub ("), said
-    assert said[1]["structuredContent"]["result"] == (
-        "GitHub was not connected through this server."
-    )
-    assert await count_rows(proof_db, "connections", subject=user, audience=PROOFED) == 0
-    assert token not in proof.broker.log() + log_path.read_text()
