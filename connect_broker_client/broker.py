@@ -112,15 +112,31 @@ class ConnectBroker:
             await self._http.aclose()
 
     async def require(
-        self, ctx: Context[Any, Any], provider: str, *, scopes: Sequence[str] = ()
+        self,
+        ctx: Context[Any, Any],
+        provider: str,
+        *,
+        scopes: Sequence[str] = (),
+        new_account: bool = False,
     ) -> str:
         """The caller's API key or access token for `provider`; see `require_credential`."""
-        return (await self.require_credential(ctx, provider, scopes=scopes)).secret
+        return (
+            await self.require_credential(ctx, provider, scopes=scopes, new_account=new_account)
+        ).secret
 
     async def require_credential(
-        self, ctx: Context[Any, Any], provider: str, *, scopes: Sequence[str] = ()
+        self,
+        ctx: Context[Any, Any],
+        provider: str,
+        *,
+        scopes: Sequence[str] = (),
+        new_account: bool = False,
     ) -> Credential:
         """The caller's credential, or raise what makes this call ask the user to connect.
+
+        `new_account=True` asks the user to connect even when they hold an account of the
+        provider: another upstream account is added, the same one replaced; the retry returns
+        the account just connected.
 
         Raises:
             ConnectionRequired: the call answers the broker's URL-mode elicitation.
@@ -136,6 +152,8 @@ class ConnectBroker:
         body = self._request(ctx, scopes, modern=modern)
         pending = PendingRound.load(ctx.request_state, provider)
         if pending is None:
+            if new_account:
+                body["account"] = "new"
             outcome = await self._call(
                 "POST", f"/connections/{quote(provider, safe='')}/require", body
             )

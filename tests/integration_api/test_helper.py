@@ -242,6 +242,14 @@ def build_sibling(
             refused=refused,
         )
 
+    @server.tool()
+    async def github_add_account(ctx: Context[Any, Any]) -> Holding:
+        """Connect another GitHub account even though one is held (test_several_accounts.py)."""
+        added = await broker.require_credential(ctx, "github", new_account=True)
+        return Holding(
+            account=added.account, sha256=fingerprint(added.secret), removed=None, refused=None
+        )
+
     return server
 
 

@@ -11,7 +11,7 @@ import httpx2
 import pytest
 
 from ..support.broker import BrokerProcess
-from ..support.clients import Browser
+from ..support.clients import Browser, flow_id_from
 from ..support.fake_github import FakeGitHub
 from ..support.idp import IdpProcess
 from .test_api import (
@@ -210,3 +210,41 @@ async def test_the_helpers_account_reads_and_disconnects_the_named_account_only(
     deletes = [r for r in helper_sibling.calls.requests if r.method == "DELETE"]
     assert [r.url.params.get("account") for r in deletes] == [None, f"@{work}"]
     assert all(r.url.params["subject"] == user["subject"] for r in deletes)
+
+
+async def test_the_helpers_new_account_connects_another_account_while_one_is_held(
+    api: ServiceApi,
+    browser: Browser,
+    github: FakeGitHub,
+    idp: IdpProcess,
+    helper_sibling: Sibling,
+) -> None:
+    """`require_credential(ctx, provider, new_account=True)` elicits although the user holds
+    @work; the retry answers the account just connected, and both accounts are listed."""
+    user = {"issuer": idp.issuer, "subject": fresh_user("helper-new")}
+    work, home = fresh_user("work"), fresh_user("home")
+    await connect_github(api, browser, github, user, work)
+    token = helper_sibling.token(user["subject"])
+
+    first = result_of(await helper_sibling.call(token, "github_add_account"), "InputRequiredResult")
+    key, flow_id = flow_id_from(first)
+    github.next_user = home
+    await authorize_github(browser, user["subject"], flow_id)
+    added = result_of(
+        await helper_sibling.call(
+            token,
+            "github_add_account",
+            input_responses={key: {"action": "accept"}},
+            request_state=first["requestState"],
+        )
+    )["structuredContent"]
+    homes = ok(await api.http.get("/credentials/github", params={**user, "account": f"@{home}"}))
+    listed = ok(await api.connections(user))["connections"]
+
+    assert (added["account"], added["sha256"]) == (f"@{home}", fingerprint(homes["secret"]))
+    assert [item["account"] for item in listed] == [f"@{home}", f"@{work}"]
+    sent = zip(helper_sibling.calls.paths(), helper_sibling.calls.bodies(), strict=True)
+    assert [(path, body.get("account")) for path, body in sent] == [
+        ("POST /api/v1/connections/github/require", "new"),
+        ("POST /api/v1/connections/github/resume", None),
+    ]
