@@ -109,6 +109,7 @@ class Sibling:
         *,
         state_keys: list[str] | None = None,
         audience: str | None = None,
+        user_proof: bool = False,
     ) -> None:
         self.idp = idp
         self.calls = BrokerCalls()
@@ -116,7 +117,9 @@ class Sibling:
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self.audience = audience or f"{self.url}/mcp"  # replicas share their public URL
-        server = build_sibling(idp, broker_url, secret, self.audience, self.calls, state_keys)
+        server = build_sibling(
+            idp, broker_url, secret, self.audience, self.calls, state_keys, user_proof=user_proof
+        )
         app = server.streamable_http_app(json_response=True, stateless_http=True)
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
@@ -175,13 +178,15 @@ def build_sibling(
     audience: str,
     calls: BrokerCalls,
     state_keys: list[str] | None,
+    *,
+    user_proof: bool = False,
 ) -> MCPServer[Any]:
     recorded = httpx2.AsyncClient(
         timeout=30,
         trust_env=False,
         event_hooks={"request": [calls.on_request], "response": [calls.on_response]},
     )
-    broker = ConnectBroker(broker_url, secret, http=recorded)
+    broker = ConnectBroker(broker_url, secret, http=recorded, user_proof=user_proof)
     verifier = IdpTokenVerifier(idp.issuer, audience)
 
     @asynccontextmanager

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx2
 import pytest
@@ -39,6 +40,7 @@ from .test_api import (
     require_body,
     submit_api_key,
 )
+from .test_helper import Sibling, result_of
 
 pytestmark = pytest.mark.both_databases
 
@@ -583,3 +585,36 @@ async def test_failed_verifications_spend_the_address_budget_and_the_log_holds_n
         assert token not in log
         assert token.rsplit(".", 1)[1] not in log  # not even the signature
     assert strict.broker.log().count("service.user_proof_failed") == 3
+
+
+async def test_the_helpers_credential_exchanges_the_callers_token(
+    proof: ProofStack, proofed_api: ServiceApi
+) -> None:
+    """`ConnectBroker(..., user_proof=True).credential(ctx, provider)`: the helper posts the
+    caller's own token to the exchange and never names a user; the caller's key comes back, and
+    a caller without a connection gets None."""
+    alice, bob = fresh_user("alice"), fresh_user("bob")
+    await connect_with_token(proof, proofed_api, alice, KEY_A)
+    with Sibling(
+        proof.stack.idp,
+        proof.broker.url,
+        proof.proofed.secret,
+        audience=proof.audience,
+        user_proof=True,
+    ) as sibling:
+        token = sibling.token(alice)
+        held = result_of(await sibling.call(token, "demo_standing"))["structuredContent"]
+        none = result_of(await sibling.call(sibling.token(bob), "demo_standing"))
+        sent = sibling.calls.requests
+
+    assert held == {"connected": True, "providers": ["demo"], "removed": None}
+    assert none["structuredContent"]["connected"] is False
+    exchange = sent[0]
+    assert f"{exchange.method} {exchange.url.path}" == "POST /api/v1/token"
+    form = parse_qs(exchange.content.decode())
+    assert form["subject_token"] == [token]
+    assert form["requested_token_type"] == ["urn:connect-broker:credential:demo"]
+    assert sibling.calls.answers[0]["access_token"] == KEY_A
+    for request in sent:
+        assert "subject" not in request.url.params
+        assert alice not in request.content.decode() + str(request.url)
