@@ -203,10 +203,16 @@ def test_check_config_lists_the_webhooks_without_the_query(
 
 @contextlib.asynccontextmanager
 async def delivering(
-    broker: BrokerProcess, url: str, secret_file: Path, events: list[str] | None = None
+    broker: BrokerProcess,
+    url: str,
+    secret_file: Path,
+    events: list[str] | None = None,
+    *,
+    name: str | None = None,
 ) -> AsyncIterator[tuple[str, Shared]]:
-    """A webhook of its own (a fresh name) on the broker's database, its row started."""
-    name = f"t-{secrets.token_hex(4)}"
+    """A webhook of its own (a fresh name unless `name`) on the broker's database, its row
+    started."""
+    name = name or f"t-{secrets.token_hex(4)}"
     overrides = {
         f"webhooks.{name}.{key}": value for key, value in webhook(url, secret_file, events).items()
     }
@@ -404,6 +410,28 @@ async def test_a_webhook_gets_only_its_events_and_starts_from_when_it_is_first_s
 
     assert delivered == 1
     assert details(listening.events(of_user(user))) == ["wanted"]
+
+
+async def test_a_webhook_added_back_under_its_name_resumes_with_the_events_meanwhile(
+    broker: BrokerProcess, secret_file: Path
+) -> None:
+    """docs/webhooks.md: a webhook's place is kept under its name while it is not configured."""
+    user, name = fresh_user("webhook-resume"), f"t-{secrets.token_hex(4)}"
+    erased = ["user.erased"]
+    with running_receiver() as listening:
+        async with delivering(broker, listening.url, secret_file, erased, name=name) as (_, first):
+            await record(first, user, "served", event="user.erased")
+            assert await first.webhooks.run_once() == 1
+        async with delivering(broker, listening.url, secret_file, ["service.created"]) as (
+            _,
+            other,
+        ):
+            await record(other, user, "meanwhile", event="user.erased")  # not configured: kept
+        async with delivering(broker, listening.url, secret_file, erased, name=name) as (_, again):
+            delivered = await again.webhooks.run_once()
+
+    assert delivered == 1
+    assert details(listening.events(of_user(user))) == ["served", "meanwhile"]
 
 
 async def test_an_erasure_of_the_failing_event_lets_the_next_one_through(
