@@ -4,6 +4,10 @@ A credential is sealed (AES-GCM, app/crypto.py) with the purpose
 "cred:v1|<issuer>|<subject>|<provider>|<audience>" as associated data, so a ciphertext copied into
 another user's or provider's row does not open (SECURITY.md I4): such a row is treated as absent,
 logged as `credential.decrypt_failed`, and the next tool call elicits a new connection. The
+sealed text also names the account's identity at the provider (`BOUND_ACCOUNT`), so a ciphertext
+copied between two accounts of the same user and provider is refused the same way. It is inside
+the seal rather than in the purpose so that a version without several accounts still opens it
+(downgrade), and a credential sealed before it keeps opening until it is next sealed. The
 statements on `connections` are app/tables/connections.py's.
 """
 
@@ -65,11 +69,16 @@ class ConnectionInfo:
     default: bool = True  # the account used when none is named (the latest connected or chosen)
 
 
+BOUND_ACCOUNT = "bound_account"  # in the sealed text: the account_id of the row it was sealed for
+
+
 class SealedSecret(Protocol):
     """A row holding sealed tokens: a connection, or a revocation still to make."""
 
     @property
     def id(self) -> int: ...
+    @property
+    def account_id(self) -> str | None: ...  # None: a revocation's copy, not checked
     @property
     def issuer(self) -> str: ...
     @property
@@ -99,6 +108,10 @@ def _purpose(principal: Principal, provider: str, audience: str) -> str:
     return f"cred:v1|{principal.issuer}|{principal.subject}|{provider}|{audience}"
 
 
+def _sealed_text(secret: dict[str, str], account_id: str) -> bytes:
+    return json.dumps({**secret, BOUND_ACCOUNT: account_id}).encode()
+
+
 async def store(
     session: AsyncSession,
     *,
@@ -123,7 +136,9 @@ async def store(
             )
         )
     sealed = seal(
-        json.dumps(secret).encode(), purpose=_purpose(principal, provider, audience), keys=keys
+        _sealed_text(secret, account_id),
+        purpose=_purpose(principal, provider, audience),
+        keys=keys,
     )
     now = utcnow()
     values = {
@@ -177,7 +192,8 @@ async def find_by_id(
 
 
 def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
-    """The row's secret fields, or None (logged) when no configured key opens them."""
+    """The row's secret fields, or None (logged) when no configured key opens them, or when
+    they were sealed for another account than the connection's."""
     principal = Principal(row.issuer, row.subject)
     try:
         secret = jsonbytes.loads(
@@ -188,11 +204,22 @@ def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
             )
         )
     except (InvalidSeal, ValueError):
+        secret = None
+    if not isinstance(secret, dict):
         logger.warning(
             "credential.decrypt_failed provider=%s %s=%s", row.provider, _kind(row), row.id
         )
         return None
-    return secret if isinstance(secret, dict) else None
+    bound = secret.pop(BOUND_ACCOUNT, None)
+    if bound is not None and row.account_id is not None and bound != row.account_id:
+        logger.warning(
+            "credential.decrypt_failed provider=%s %s=%s reason=account",
+            row.provider,
+            _kind(row),
+            row.id,
+        )
+        return None
+    return secret
 
 
 def _kind(row: SealedSecret) -> str:
@@ -222,7 +249,7 @@ def replace_tokens(
     """Re-seal a refreshed token set into its (locked) row; committed by the caller."""
     principal = Principal(row.issuer, row.subject)
     row.sealed_credential = seal(
-        json.dumps(secret).encode(),
+        _sealed_text(secret, row.account_id),
         purpose=_purpose(principal, row.provider, row.audience),
         keys=keys,
     )
@@ -364,6 +391,10 @@ def _reseal(row: Connection | PendingRevocation, *, keys: Keyring) -> bool:
     except InvalidSeal:
         logger.warning("credential.decrypt_failed %s=%s", _kind(row), row.id)
         return False
+    if row.account_id is not None:  # a connection sealed before the account was bound: bind it
+        secret = jsonbytes.loads(plaintext)
+        if isinstance(secret, dict) and BOUND_ACCOUNT not in secret:
+            plaintext = _sealed_text(secret, row.account_id)
     row.sealed_credential = seal(plaintext, purpose=purpose, keys=keys)
     row.key_id = sealed_key_id(row.sealed_credential)
     return True

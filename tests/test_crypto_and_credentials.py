@@ -148,6 +148,101 @@ async def test_i4_a_credential_copied_to_another_users_row_does_not_open(
     assert own == "sk_alice"
 
 
+async def accounts_of(
+    session: AsyncSession, keys: Keyring, principal: Principal
+) -> dict[str, str | None]:
+    """Each of the principal's GitHub accounts: its secret as the broker reads it, or None."""
+    held = await credentials.accounts(
+        session, principal=principal, provider="github", audience="mcp"
+    )
+    opened = {name: credentials.open_row(row, keys=keys) for name, row in held.items()}
+    return {name: (secret or {}).get("access_token") for name, secret in opened.items()}
+
+
+async def test_i4_a_credential_copied_to_another_account_of_the_same_user_does_not_open(
+    sessions: async_sessionmaker[AsyncSession], caplog: pytest.LogCaptureFixture
+) -> None:
+    """I4 with several accounts: the sealed text names the account it was sealed for, so
+    swapping two accounts' ciphertexts (same user, provider, audience) opens neither."""
+    keys = Keyring.parse((generate_key("k1"),))
+    async with sessions.begin() as session:
+        for account_id, token in (("1", "gho_work"), ("2", "gho_home")):
+            await credentials.store(
+                session,
+                keys=keys,
+                principal=ALICE,
+                provider="github",
+                audience="mcp",
+                secret={"access_token": token},
+                account_label=f"@{token[4:]}",
+                account_id=account_id,
+            )
+    async with sessions() as session:
+        before = await accounts_of(session, keys, ALICE)
+    async with sessions.begin() as session:
+        rows = await session.execute(select(Connection.account_id, Connection.sealed_credential))
+        sealed = {row.account_id: row.sealed_credential for row in rows}
+        for account_id, other in (("1", "2"), ("2", "1")):
+            await session.execute(
+                update(Connection)
+                .where(Connection.account_id == account_id)
+                .values(sealed_credential=sealed[other])
+            )
+    async with sessions() as session:
+        swapped = await accounts_of(session, keys, ALICE)
+
+    assert before == {"@work": "gho_work", "@home": "gho_home"}
+    assert swapped == {"@work": None, "@home": None}
+    assert caplog.text.count("credential.decrypt_failed provider=github") == 2
+    assert "reason=account" in caplog.text
+
+
+async def test_a_credential_sealed_before_the_account_was_bound_opens_and_rotation_binds_it(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """A ciphertext of an earlier version (no account inside) still opens; `keys rotate`
+    re-seals it with the account, after which a copy to another account no longer opens."""
+    old, new = generate_key("k1"), generate_key("k2")
+    async with sessions.begin() as session:
+        for account_id, token in (("1", "gho_work"), ("2", "gho_home")):
+            await credentials.store(
+                session,
+                keys=Keyring.parse((old,)),
+                principal=ALICE,
+                provider="github",
+                audience="mcp",
+                secret={"access_token": token},
+                account_label=f"@{token[4:]}",
+                account_id=account_id,
+            )
+        unbound = seal(
+            b'{"access_token": "gho_earlier"}',
+            purpose=f"cred:v1|{ALICE.issuer}|{ALICE.subject}|github|mcp",
+            keys=Keyring.parse((old,)),
+        )
+        await session.execute(
+            update(Connection).where(Connection.account_id == "1").values(sealed_credential=unbound)
+        )
+    async with sessions() as session:
+        earlier = await accounts_of(session, Keyring.parse((old,)), ALICE)
+    async with sessions.begin() as session:
+        await credentials.reseal_all(session, keys=Keyring.parse((new, old)))
+    async with sessions.begin() as session:
+        rebound = (
+            await session.execute(
+                select(Connection.sealed_credential).where(Connection.account_id == "1")
+            )
+        ).scalar_one()
+        await session.execute(
+            update(Connection).where(Connection.account_id == "2").values(sealed_credential=rebound)
+        )
+    async with sessions() as session:
+        after = await accounts_of(session, Keyring.parse((new,)), ALICE)
+
+    assert earlier == {"@work": "gho_earlier", "@home": "gho_home"}
+    assert after == {"@work": "gho_earlier", "@home": None}
+
+
 async def test_i5_rotation_reseals_every_row_and_old_keys_can_then_go(
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
