@@ -183,18 +183,19 @@ class CredentialFetch:
             secrets.verified(address, secret, service)
             raise
         provider: str = scope["path_params"]["provider"]
+        principal = Principal(issuer, subject)
         found = await services.authenticate_with_own_connection(
             secrets.store,
             keys=secrets.signing,
             secret=secret,
-            principal=Principal(issuer, subject),
+            principal=principal,
             provider=provider,
         )
         service, own = secrets.verified(address, secret, found)
         if self.proofs.required(service.name):  # the named user is not read for it
             raise UserProofRequired()
         usable = await credential_for(
-            self.settings, self.api, service, provider, issuer, subject, own, account
+            self.settings, self.api, service, provider, principal, own, account
         )
         return JsonMessage(usable.document(), 200, NO_STORE)
 
@@ -204,15 +205,14 @@ async def credential_for(
     api: ConnectApi,
     service: Service,
     provider: str,
-    issuer: str,
-    subject: str,
+    principal: Principal,
     own: ConnectionRecord | None,
     account: str | None = None,
 ) -> UsableCredential:
     """The credential `service` may use, given its own connection for the user and provider
     (`own`, the default account's, read with the service); `account` names another one."""
     check_provider(settings, service, provider)
-    principal = known_principal(settings, issuer, subject)
+    known_principal(settings, principal)
     if account is not None:
         found = await named_for(api, service, provider, principal, account)
     else:
