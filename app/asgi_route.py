@@ -12,7 +12,8 @@ class AsgiRoute(Route):
     (`route`), where the access log finds the template requests are counted by."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        match, child_scope = super().matches(scope)
+        # Route's own, named: each request asks every hot route, and `super()` builds an object
+        match, child_scope = Route.matches(self, scope)
         if match is not Match.NONE:
             child_scope["route"] = self
         return match, child_scope

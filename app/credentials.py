@@ -104,8 +104,8 @@ class SealedRow(SealedSecret, Protocol):
     def expires_at(self) -> datetime | None: ...
 
 
-def _purpose(principal: Principal, provider: str, audience: str) -> str:
-    return f"cred:v1|{principal.issuer}|{principal.subject}|{provider}|{audience}"
+def _purpose(issuer: str, subject: str, provider: str, audience: str) -> str:
+    return f"cred:v1|{issuer}|{subject}|{provider}|{audience}"
 
 
 def _sealed_text(secret: dict[str, str], account_id: str) -> bytes:
@@ -135,11 +135,8 @@ async def store(
                 principal, provider, audience, account_id, account_label
             )
         )
-    sealed = seal(
-        _sealed_text(secret, account_id),
-        purpose=_purpose(principal, provider, audience),
-        keys=keys,
-    )
+    purpose = _purpose(principal.issuer, principal.subject, provider, audience)
+    sealed = seal(_sealed_text(secret, account_id), purpose=purpose, keys=keys)
     now = utcnow()
     values = {
         "issuer": principal.issuer,
@@ -194,15 +191,9 @@ async def find_by_id(
 def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
     """The row's secret fields, or None (logged) when no configured key opens them, or when
     they were sealed for another account than the connection's."""
-    principal = Principal(row.issuer, row.subject)
+    purpose = _purpose(row.issuer, row.subject, row.provider, row.audience)
     try:
-        secret = jsonbytes.loads(
-            unseal(
-                row.sealed_credential,
-                purpose=_purpose(principal, row.provider, row.audience),
-                keys=keys,
-            )
-        )
+        secret = jsonbytes.loads(unseal(row.sealed_credential, purpose=purpose, keys=keys))
     except (InvalidSeal, ValueError):
         secret = None
     if not isinstance(secret, dict):
@@ -247,10 +238,9 @@ def replace_tokens(
     expires_at: datetime | None,
 ) -> None:
     """Re-seal a refreshed token set into its (locked) row; committed by the caller."""
-    principal = Principal(row.issuer, row.subject)
     row.sealed_credential = seal(
         _sealed_text(secret, row.account_id),
-        purpose=_purpose(principal, row.provider, row.audience),
+        purpose=_purpose(row.issuer, row.subject, row.provider, row.audience),
         keys=keys,
     )
     row.key_id = sealed_key_id(row.sealed_credential)
@@ -385,7 +375,7 @@ async def reseal_all(session: AsyncSession, *, keys: Keyring) -> int:
 
 
 def _reseal(row: Connection | PendingRevocation, *, keys: Keyring) -> bool:
-    purpose = _purpose(Principal(row.issuer, row.subject), row.provider, row.audience)
+    purpose = _purpose(row.issuer, row.subject, row.provider, row.audience)
     try:
         plaintext = unseal(row.sealed_credential, purpose=purpose, keys=keys)
     except InvalidSeal:

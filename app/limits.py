@@ -142,10 +142,14 @@ class RateLimits:
         self.users = TokenBuckets(user_requests_per_minute, user_burst, clock=clock)
         self.failed_auths = TokenBuckets(failed_auths_per_minute, failed_auth_burst, clock=clock)
         self._known_secrets: set[bytes] = set()
-        self._digest_key = secrets.token_bytes(32)  # digests mean nothing outside this process
+        # keyed once (digests mean nothing outside this process), copied for each digest: keying
+        # costs as much as the digest of a secret, and every verified request takes one
+        self._keyed = hashlib.blake2b(digest_size=16, key=secrets.token_bytes(32))
 
     def _digest(self, secret: str) -> bytes:
-        return hashlib.blake2b(secret.encode(), digest_size=16, key=self._digest_key).digest()
+        digest = self._keyed.copy()
+        digest.update(secret.encode())
+        return digest.digest()
 
     def remember_secret(self, secret: str) -> None:
         """A service secret this process verified: a lockout of its address does not stop it.

@@ -83,7 +83,8 @@ HOUSEKEEPING_INTERVAL_SECONDS = 60  # expired flows and sessions purged, due rev
 class Shared:
     """Everything one broker process shares, built once. Only this module sees it whole:
     `create_app` puts each part on `app.state` under its own name, where the routes'
-    dependencies (app/deps.py) and the hot endpoints find the part they use."""
+    dependencies (app/deps.py) find the part they use, and builds the hot endpoints with theirs
+    (`_hot_routes`)."""
 
     settings: Settings
     engine: AsyncEngine
@@ -266,7 +267,7 @@ class _NotFound:
         raise StarletteHTTPException(status_code=404)
 
 
-def _hot_routes() -> list[BaseRoute]:
+def _hot_routes(shared: Shared) -> list[BaseRoute]:
     """The hot paths, first in the router, which then finds them on its first comparisons.
 
     `/mcp/` answers 404 like any unknown path: without a route of its own the router would
@@ -274,9 +275,11 @@ def _hot_routes() -> list[BaseRoute]:
     resource its tokens are for (`/.well-known/oauth-protected-resource/mcp`).
     """
     return [
-        AsgiRoute(MCP_PATH, McpEndpoint()),
+        AsgiRoute(MCP_PATH, McpEndpoint(shared.mcp_server)),
         AsgiRoute(MCP_PATH + "/", _NotFound()),
-        credential_route.route(),
+        credential_route.route(
+            shared.settings, shared.connect_api, shared.service_secrets, shared.user_proofs
+        ),
     ]
 
 
@@ -330,7 +333,7 @@ def create_app(
         # (app/bug_report.py), and would otherwise ask for the providers on every request
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.router.routes[:0] = _hot_routes()
+    app.router.routes[:0] = _hot_routes(shared)
     share(app, shared)
     app.state.development = dev_idp is not None  # every page then shows the development banner
     for path in (

@@ -43,13 +43,15 @@ class LoopBatcher(Generic[Item, Result]):
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._running: set[asyncio.Task[None]] = set()
 
-    async def submit(self, item: Item) -> Result:
+    def submit(self, item: Item) -> asyncio.Future[Result]:
+        """The future of `item`'s outcome (awaited by the caller itself: no coroutine of its own
+        between the caller and the batch)."""
         loop = asyncio.get_running_loop()
         if not self._pending:
             loop.call_soon(self._start)
         done: asyncio.Future[Result] = loop.create_future()
         self._pending.append((item, done))
-        return await done
+        return done
 
     def _start(self) -> None:
         batch, self._pending = self._pending, []

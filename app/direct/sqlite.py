@@ -216,16 +216,16 @@ class SqliteStore:
         except sqlite3.DatabaseError as exc:  # locked, I/O, full, corrupt, not a database …
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
-    async def _read(self, statement: str, values: tuple[Any, ...]) -> Any:
+    def _read(self, statement: str, values: tuple[Any, ...]) -> asyncio.Future[Any]:
         """The first row of `statement` (or None), read with the other reads of this loop turn."""
-        return await self._reads.submit(_Statement(statement, values))
+        return self._reads.submit(_Statement(statement, values))
 
     async def _read_batch(self, reads: list[_Statement]) -> list[Any]:
         return await self._run(lambda c: _read_all(c, reads))
 
-    async def _write(self, write: _Statement) -> int:
+    def _write(self, write: _Statement) -> asyncio.Future[int]:
         """The row count of `write`, committed with the other writes of this loop turn."""
-        return await self._writes.submit(write)
+        return self._writes.submit(write)
 
     async def _commit(self, writes: list[_Statement]) -> list[int | Exception]:
         try:

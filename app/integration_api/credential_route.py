@@ -22,7 +22,6 @@ from urllib.parse import unquote_plus
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.models import Operation
 from fastapi.security.utils import get_authorization_scheme_param
-from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -58,6 +57,7 @@ from app.integration_api.routes import (
     service_secret,
 )
 from app.integration_api.services import Service
+from app.integration_api.user_proof import UserProofs
 from app.json_message import JsonMessage
 from app.limits import client_key
 from app.middleware import first_header
@@ -144,49 +144,60 @@ def _fault(name: str, message: str, kind: str) -> dict[str, Any]:
 
 
 class CredentialFetch:
-    """The route's ASGI endpoint."""
+    """The route's ASGI endpoint, built with the parts of the process it uses (app/main.py
+    `build_shared`): a request looks none of them up."""
+
+    def __init__(
+        self, settings: Settings, api: ConnectApi, secrets: ServiceSecrets, proofs: UserProofs
+    ) -> None:
+        self.settings = settings
+        self.api = api
+        self.secrets = secrets
+        self.proofs = proofs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "GET":  # answered as the router answers one (not even HEAD)
             raise HTTPException(status_code=405, headers={"Allow": "GET"})
         try:
-            response = await _fetch(scope["app"].state, scope)
+            response = await self._fetch(scope)
         except RequestValidationError as exc:
             response = invalid_request(Request(scope, receive), exc)
         except BrokerError as exc:  # 401 and 429 carry their headers (`problem_response`)
             response = problem_response(Request(scope, receive), exc)
         await response(scope, receive, send)
 
-
-async def _fetch(state: State, scope: Scope) -> Response:
-    """The answer; database errors and bugs go to the app's handlers, as on any route."""
-    secrets: ServiceSecrets = state.service_secrets
-    scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
-    if scheme.lower() != "bearer" or not secret:
-        raise InvalidServiceCredentials()
-    address = client_key(scope.get("client"))
-    secrets.refuse_spent_address(address, secret)
-    try:
-        issuer, subject, account = read_query(scope["query_string"])
-    except RequestValidationError:  # only the secret's holder learns what the query lacks
-        service = await services.authenticate(secrets.store, keys=secrets.signing, secret=secret)
-        secrets.verified(address, secret, service)
-        raise
-    provider: str = scope["path_params"]["provider"]
-    found = await services.authenticate_with_own_connection(
-        secrets.store,
-        keys=secrets.signing,
-        secret=secret,
-        principal=Principal(issuer, subject),
-        provider=provider,
-    )
-    service, own = secrets.verified(address, secret, found)
-    if state.user_proofs.required(service.name):  # the named user is not read for it
-        raise UserProofRequired()
-    usable = await credential_for(
-        state.settings, state.connect_api, service, provider, issuer, subject, own, account
-    )
-    return JsonMessage(usable.document(), 200, NO_STORE)
+    async def _fetch(self, scope: Scope) -> Response:
+        """The answer; database errors and bugs go to the app's handlers, as on any route."""
+        secrets = self.secrets
+        scheme, secret = get_authorization_scheme_param(first_header(scope, b"authorization"))
+        if scheme.lower() != "bearer" or not secret:
+            raise InvalidServiceCredentials()
+        address = client_key(scope.get("client"))
+        secrets.refuse_spent_address(address, secret)
+        try:
+            issuer, subject, account = read_query(scope["query_string"])
+        except RequestValidationError:  # only the secret's holder learns what the query lacks
+            service = await services.authenticate(
+                secrets.store, keys=secrets.signing, secret=secret
+            )
+            secrets.verified(address, secret, service)
+            raise
+        provider: str = scope["path_params"]["provider"]
+        principal = Principal(issuer, subject)
+        found = await services.authenticate_with_own_connection(
+            secrets.store,
+            keys=secrets.signing,
+            secret=secret,
+            principal=principal,
+            provider=provider,
+        )
+        service, own = secrets.verified(address, secret, found)
+        if self.proofs.required(service.name):  # the named user is not read for it
+            raise UserProofRequired()
+        usable = await credential_for(
+            self.settings, self.api, service, provider, principal, own, account
+        )
+        return JsonMessage(usable.document(), 200, NO_STORE)
 
 
 async def credential_for(
@@ -194,15 +205,14 @@ async def credential_for(
     api: ConnectApi,
     service: Service,
     provider: str,
-    issuer: str,
-    subject: str,
+    principal: Principal,
     own: ConnectionRecord | None,
     account: str | None = None,
 ) -> UsableCredential:
     """The credential `service` may use, given its own connection for the user and provider
     (`own`, the default account's, read with the service); `account` names another one."""
     check_provider(settings, service, provider)
-    principal = known_principal(settings, issuer, subject)
+    known_principal(settings, principal)
     if account is not None:
         found = await named_for(api, service, provider, principal, account)
     else:
@@ -214,9 +224,11 @@ async def credential_for(
     return found
 
 
-def route() -> AsgiRoute:
+def route(
+    settings: Settings, api: ConnectApi, secrets: ServiceSecrets, proofs: UserProofs
+) -> AsgiRoute:
     """Every method comes to the endpoint: a GET route of Starlette's would also take HEAD."""
-    return AsgiRoute(PATH, CredentialFetch())
+    return AsgiRoute(PATH, CredentialFetch(settings, api, secrets, proofs))
 
 
 def add_operation(openapi: dict[str, Any]) -> None:

@@ -238,11 +238,12 @@ def check_provider(settings: Settings, service: Service, name: str) -> None:
         raise ProviderNotAllowed()
 
 
-def known_principal(settings: Settings, issuer: str, subject: str) -> Principal:
+def known_principal(settings: Settings, principal: Principal) -> Principal:
     """The user, if of the identity provider this broker trusts (else 400)."""
-    if issuer != settings.identity.issuer or not subject or len(subject) > 255:
+    subject = principal.subject
+    if principal.issuer != settings.identity.issuer or not subject or len(subject) > 255:
         raise UnknownIssuer()
-    return Principal(issuer, subject)
+    return principal
 
 
 def user_proofs(request: Request) -> UserProofs:
@@ -265,7 +266,7 @@ async def body_principal(
     if body.user is None:
         missing = {"loc": ("body", "user"), "msg": "Field required", "type": "missing"}
         raise RequestValidationError([missing])
-    return known_principal(settings, body.user.issuer, body.user.subject)
+    return known_principal(settings, Principal(body.user.issuer, body.user.subject))
 
 
 async def query_principal(
@@ -293,7 +294,7 @@ async def query_principal(
                 if value is None
             ]
         )
-    return known_principal(settings, issuer, subject)
+    return known_principal(settings, Principal(issuer, subject))
 
 
 @router.post(

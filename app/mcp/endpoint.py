@@ -70,8 +70,7 @@ def _error(exc: JsonRpcError, request_id: Any = None) -> JsonMessage:
     return _json(body, exc.http_status, exc.headers)
 
 
-async def mcp_endpoint(scope: Scope, receive: Receive) -> Response:
-    server: McpServer = scope["app"].state.mcp_server
+async def mcp_endpoint(server: McpServer, scope: Scope, receive: Receive) -> Response:
     headers = header_map(scope["headers"])
     message: Message | None = None
     try:
@@ -257,14 +256,15 @@ async def _read_body(receive: Receive, headers: HeaderMap, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def method_not_allowed(_scope: Scope, _receive: Receive) -> Response:
-    return Response(status_code=405, headers={"Allow": "POST"})
-
-
 class McpEndpoint:
-    """/mcp as an ASGI endpoint (app/asgi_route.py)."""
+    """/mcp as an ASGI endpoint (app/asgi_route.py), built with the process's `McpServer`."""
+
+    def __init__(self, server: McpServer) -> None:
+        self.server = server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = mcp_endpoint if scope["method"] == "POST" else method_not_allowed
-        response = await handler(scope, receive)
+        if scope["method"] == "POST":
+            response = await mcp_endpoint(self.server, scope, receive)
+        else:
+            response = Response(status_code=405, headers={"Allow": "POST"})
         await response(scope, receive, send)
