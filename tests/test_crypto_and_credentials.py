@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text, update
+from sqlalchemy import ColumnElement, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import credentials
@@ -87,6 +87,16 @@ async def read_credential(
     return credentials.as_credential(row, secret).secret if row and secret else None
 
 
+async def copy_sealed(
+    session: AsyncSession, source: ColumnElement[bool], target: ColumnElement[bool]
+) -> None:
+    """Copy one connection's ciphertext into another row, as someone with write access would."""
+    sealed = (
+        await session.execute(select(Connection.sealed_credential).where(source))
+    ).scalar_one()
+    await session.execute(update(Connection).where(target).values(sealed_credential=sealed))
+
+
 def test_seal_round_trip_and_purpose_binding() -> None:
     keys = Keyring.parse((generate_key("k1"),))
     sealed = seal(b"gho_secret", purpose="cred:v1|iss|alice|github|mcp", keys=keys)
@@ -125,16 +135,7 @@ async def test_i4_a_credential_copied_to_another_users_row_does_not_open(
                 secret={"api_key": secret},
             )
     async with sessions.begin() as session:
-        alice_row = (
-            await session.execute(
-                select(Connection.sealed_credential).where(Connection.subject == "alice")
-            )
-        ).scalar_one()
-        await session.execute(
-            update(Connection)
-            .where(Connection.subject == "bob")
-            .values(sealed_credential=alice_row)
-        )
+        await copy_sealed(session, Connection.subject == "alice", Connection.subject == "bob")
 
     async with sessions() as session:
         stolen = await read_credential(
@@ -146,6 +147,21 @@ async def test_i4_a_credential_copied_to_another_users_row_does_not_open(
 
     assert stolen is None
     assert own == "sk_alice"
+
+
+async def store_two_accounts(session: AsyncSession, keys: Keyring) -> None:
+    """Alice's GitHub accounts @work (account id 1) and @home (account id 2)."""
+    for account_id, token in (("1", "gho_work"), ("2", "gho_home")):
+        await credentials.store(
+            session,
+            keys=keys,
+            principal=ALICE,
+            provider="github",
+            audience="mcp",
+            secret={"access_token": token},
+            account_label=f"@{token[4:]}",
+            account_id=account_id,
+        )
 
 
 async def accounts_of(
@@ -166,17 +182,7 @@ async def test_i4_a_credential_copied_to_another_account_of_the_same_user_does_n
     swapping two accounts' ciphertexts (same user, provider, audience) opens neither."""
     keys = Keyring.parse((generate_key("k1"),))
     async with sessions.begin() as session:
-        for account_id, token in (("1", "gho_work"), ("2", "gho_home")):
-            await credentials.store(
-                session,
-                keys=keys,
-                principal=ALICE,
-                provider="github",
-                audience="mcp",
-                secret={"access_token": token},
-                account_label=f"@{token[4:]}",
-                account_id=account_id,
-            )
+        await store_two_accounts(session, keys)
     async with sessions() as session:
         before = await accounts_of(session, keys, ALICE)
     async with sessions.begin() as session:
@@ -204,17 +210,7 @@ async def test_a_credential_sealed_before_the_account_was_bound_opens_and_rotati
     re-seals it with the account, after which a copy to another account no longer opens."""
     old, new = generate_key("k1"), generate_key("k2")
     async with sessions.begin() as session:
-        for account_id, token in (("1", "gho_work"), ("2", "gho_home")):
-            await credentials.store(
-                session,
-                keys=Keyring.parse((old,)),
-                principal=ALICE,
-                provider="github",
-                audience="mcp",
-                secret={"access_token": token},
-                account_label=f"@{token[4:]}",
-                account_id=account_id,
-            )
+        await store_two_accounts(session, Keyring.parse((old,)))
         unbound = seal(
             b'{"access_token": "gho_earlier"}',
             purpose=f"cred:v1|{ALICE.issuer}|{ALICE.subject}|github|mcp",
@@ -228,14 +224,7 @@ async def test_a_credential_sealed_before_the_account_was_bound_opens_and_rotati
     async with sessions.begin() as session:
         await credentials.reseal_all(session, keys=Keyring.parse((new, old)))
     async with sessions.begin() as session:
-        rebound = (
-            await session.execute(
-                select(Connection.sealed_credential).where(Connection.account_id == "1")
-            )
-        ).scalar_one()
-        await session.execute(
-            update(Connection).where(Connection.account_id == "2").values(sealed_credential=rebound)
-        )
+        await copy_sealed(session, Connection.account_id == "1", Connection.account_id == "2")
     async with sessions() as session:
         after = await accounts_of(session, Keyring.parse((new,)), ALICE)
 

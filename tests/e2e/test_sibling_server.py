@@ -264,6 +264,17 @@ async def connect_github_in_chromium(
     return "accept"
 
 
+def chromium_connects(
+    context: BrowserContext, deployment: Deployment, user: str, seen: dict[str, Any]
+) -> UrlElicitations:
+    """URL elicitations finished by `user` in Chromium (connect_github_in_chromium)."""
+
+    async def connect(url: str) -> Action:
+        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
+
+    return UrlElicitations(connect)
+
+
 def wire_text(wire: WireLog) -> str:
     return json.dumps([(exchange.request, exchange.response) for exchange in wire.exchanges])
 
@@ -285,10 +296,7 @@ async def test_sibling_tool_connects_github_in_the_browser_then_lists_the_repos(
     seen: dict[str, Any] = {}
     wire = WireLog()
 
-    async def connect(url: str) -> Action:
-        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
-
-    elicitations = UrlElicitations(connect)
+    elicitations = chromium_connects(context, deployment, user, seen)
     async with (
         asyncio.timeout(TEST_DEADLINE),
         official_client(bot.mcp_url, token, elicitations, wire) as client,
@@ -334,9 +342,6 @@ async def test_another_sibling_cannot_read_the_connection_and_asks_for_its_own(
     bot, other = deployment.repo_bot, deployment.other_bot
     seen: dict[str, Any] = {}  # what Chromium saw; the first test asserts on it
 
-    async def connect(url: str) -> Action:
-        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
-
     async def decline(url: str) -> Action:
         return "decline"
 
@@ -345,7 +350,7 @@ async def test_another_sibling_cannot_read_the_connection_and_asks_for_its_own(
         async with official_client(
             bot.mcp_url,
             await access_token(deployment, user, bot),
-            UrlElicitations(connect),
+            chromium_connects(context, deployment, user, seen),
             WireLog(),
         ) as client:
             connected = await client.call_tool("list_github_repos", {})
@@ -393,10 +398,7 @@ async def test_a_sibling_with_user_proof_connects_lists_and_disconnects_with_the
     seen: dict[str, Any] = {}
     wire = WireLog()
 
-    async def connect(url: str) -> Action:
-        return await connect_github_in_chromium(context, deployment.idp.issuer, user, url, seen)
-
-    elicitations = UrlElicitations(connect)
+    elicitations = chromium_connects(context, deployment, user, seen)
     async with (
         asyncio.timeout(TEST_DEADLINE),
         official_client(bot.mcp_url, token, elicitations, wire) as client,
