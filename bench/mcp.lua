@@ -1,8 +1,10 @@
 -- wrk script for bench/run.py: one MCP tools/call POST per request, rotating over a pool.
 --
--- usage: wrk -t1 -c32 -d10s --latency -s bench/mcp.lua http://127.0.0.1:PORT/mcp -- POOL EXPECT
+-- usage: wrk -t1 -c32 -d10s --latency -s bench/mcp.lua http://127.0.0.1:PORT/mcp -- POOL EXPECT [PAUSE]
 --   POOL   a file of "<bearer token>\t<JSON body>" lines (written by bench/pool.py)
 --   EXPECT text every 2xx response body must contain ("-" checks nothing)
+--   PAUSE  milliseconds each connection waits after an answer before its next request (default
+--          0: closed loop, as fast as the server answers)
 -- done() prints "BENCH issued=<n> unexpected=<n> pool=<n>" for run.py to parse.
 
 local threads = {}
@@ -32,6 +34,12 @@ function init(args)
   pool = #prepared
   issued = 0
   unexpected = 0
+  local pause = tonumber(args[3] or "0")
+  if pause > 0 then
+    -- wrk looks for a global delay() after init; defined only when asked, so the default run
+    -- keeps wrk's plain closed loop
+    delay = function() return pause end
+  end
 end
 
 function request()

@@ -49,8 +49,12 @@ def run_wrk(
     connections: int,
     prefix: tuple[str, ...] = (),
     script: Path = LUA_SCRIPT,
+    pause_ms: int = 0,
 ) -> WrkResult:
-    """One wrk run (1 thread) against `url` with the requests of `pool_file`, sent by `script`."""
+    """One wrk run (1 thread) against `url` with the requests of `pool_file`, sent by `script`.
+
+    `pause_ms` (bench/mcp.lua only): each connection waits that long after an answer, which caps
+    the rate at `connections * 1000 / pause_ms` requests a second."""
     command = [
         *prefix,
         require_wrk(),
@@ -64,6 +68,7 @@ def run_wrk(
         "--",
         str(pool_file),
         expect,
+        *([str(pause_ms)] if pause_ms else []),
     ]
     try:
         done = subprocess.run(

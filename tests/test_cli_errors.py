@@ -22,8 +22,6 @@ from app.migrate import alembic_config
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.idp import free_port
 
-pytestmark = pytest.mark.both_databases
-
 ROOT = Path(__file__).resolve().parents[1]  # this checkout's `app`, whatever the working directory
 
 
@@ -48,6 +46,7 @@ def revisions(url: str) -> tuple[str, str]:
     return head.down_revision, head.revision
 
 
+@pytest.mark.both_databases  # uses the run's database
 def test_migrate_says_what_it_did(tmp_path: Path, database: str) -> None:
     path = config_file(tmp_path, database)
     previous, head = revisions(database)
@@ -128,6 +127,7 @@ def test_a_wrong_database_scheme_is_a_configuration_error(
     )
 
 
+@pytest.mark.both_databases  # uses the run's database
 def test_serve_on_a_database_without_schema_says_to_migrate(tmp_path: Path, database: str) -> None:
     result = cli("serve", config_path=config_file(tmp_path, database))
 
@@ -138,6 +138,7 @@ def test_serve_on_a_database_without_schema_says_to_migrate(tmp_path: Path, data
     )
 
 
+@pytest.mark.both_databases  # uses the run's database
 def test_serve_on_a_busy_port_is_one_line(tmp_path: Path, database: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -186,6 +187,7 @@ def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
     assert result.stderr == "error: data: File exists; check the path and its permissions\n"
 
 
+@pytest.mark.both_databases  # uses the run's database
 @pytest.mark.parametrize("command_name", ["migrate", "serve"])
 def test_a_schema_from_a_newer_version_is_named(
     command_name: str, tmp_path: Path, database: str

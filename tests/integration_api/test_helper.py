@@ -170,6 +170,19 @@ class Sibling:
                 f"{self.url}/mcp", json=body, headers=request_headers(body, token)
             )
 
+    async def answer(
+        self, token: str, tool: str, asked: dict[str, Any], action: str = "accept"
+    ) -> httpx2.Response:
+        """The retry of `tool` that answers the connect request in `asked` (the result that
+        held it) with `action`, sending back that result's requestState."""
+        key, _ = flow_id_from(asked)
+        return await self.call(
+            token,
+            tool,
+            input_responses={key: {"action": action}},
+            request_state=asked["requestState"],
+        )
+
 
 def build_sibling(
     idp: IdpProcess,
@@ -318,16 +331,9 @@ async def approve_at_github(browser: Browser, flow_id: str) -> str:
 
 async def connect_demo(sibling: Sibling, browser: Browser, token: str, user: str) -> None:
     first = result_of(await sibling.call(token, "demo_fingerprint"))
-    key, flow_id = flow_id_from(first)
+    _, flow_id = flow_id_from(first)
     await enter_key(browser, user, flow_id)
-    done = result_of(
-        await sibling.call(
-            token,
-            "demo_fingerprint",
-            input_responses={key: {"action": "accept"}},
-            request_state=first["requestState"],
-        )
-    )
+    done = result_of(await sibling.answer(token, "demo_fingerprint", first))
     assert done["structuredContent"] == {"sha256": fingerprint(API_KEY)}
 
 
@@ -348,12 +354,7 @@ async def test_tool_answers_the_brokers_elicitation_then_the_credential_on_the_r
     key, flow_id = flow_id_from(first)
     page = await enter_key(browser, user, flow_id)
     second = result_of(
-        await sibling.call(
-            token,
-            "demo_fingerprint",
-            input_responses={key: {"action": "accept"}},
-            request_state=first["requestState"],
-        ),
+        await sibling.answer(token, "demo_fingerprint", first),
         "CallToolResult",
     )
 
@@ -452,15 +453,10 @@ async def test_decline_or_cancel_on_the_retry_is_an_error_result_and_ends_the_fl
     user = fresh_user(f"helper-{action}")
     token = sibling.token(user)
     first = result_of(await sibling.call(token, "demo_fingerprint"))
-    key, flow_id = flow_id_from(first)
+    _, flow_id = flow_id_from(first)
 
     ended = result_of(
-        await sibling.call(
-            token,
-            "demo_fingerprint",
-            input_responses={key: {"action": action}},
-            request_state=first["requestState"],
-        ),
+        await sibling.answer(token, "demo_fingerprint", first, action),
         "CallToolResult",
     )
 
@@ -476,19 +472,14 @@ async def test_retry_of_an_expired_flow_is_an_error_result(
     user = fresh_user("helper-expired")
     token = sibling.token(user)
     first = result_of(await sibling.call(token, "demo_fingerprint"))
-    key, flow_id = flow_id_from(first)
+    _, flow_id = flow_id_from(first)
     async with db.begin() as connection:
         await connection.execute(
             text("UPDATE flows SET status = 'expired' WHERE id = :id"), {"id": flow_id}
         )
 
     ended = result_of(
-        await sibling.call(
-            token,
-            "demo_fingerprint",
-            input_responses={key: {"action": "accept"}},
-            request_state=first["requestState"],
-        ),
+        await sibling.answer(token, "demo_fingerprint", first),
         "CallToolResult",
     )
 
@@ -501,14 +492,8 @@ async def test_another_users_state_is_refused_before_the_broker_is_asked(sibling
     """MRTR: state is bound to the principal; the SDK's envelope refuses it with -32602."""
     alice, bob = fresh_user("helper-owner"), fresh_user("helper-thief")
     first = result_of(await sibling.call(sibling.token(alice), "demo_fingerprint"))
-    key, _ = flow_id_from(first)
 
-    stolen = await sibling.call(
-        sibling.token(bob),
-        "demo_fingerprint",
-        input_responses={key: {"action": "accept"}},
-        request_state=first["requestState"],
-    )
+    stolen = await sibling.answer(sibling.token(bob), "demo_fingerprint", first)
 
     body = stolen.json()
     validate_response(body)
@@ -528,17 +513,10 @@ async def test_a_retry_may_land_on_another_instance_that_shares_the_state_keys(
     ):
         token = one.token(user)
         first = result_of(await one.call(token, "demo_fingerprint"))
-        key, flow_id = flow_id_from(first)
+        _, flow_id = flow_id_from(first)
         await enter_key(browser, user, flow_id)
 
-        done = result_of(
-            await other.call(
-                token,
-                "demo_fingerprint",
-                input_responses={key: {"action": "accept"}},
-                request_state=first["requestState"],
-            )
-        )
+        done = result_of(await other.answer(token, "demo_fingerprint", first))
 
     assert one.url != other.url
     assert done["structuredContent"] == {"sha256": fingerprint(API_KEY)}
@@ -558,24 +536,10 @@ async def test_one_call_connects_two_providers_in_turn(
     demo_key, demo_flow = flow_id_from(first)
     await enter_key(browser, user, demo_flow)
 
-    second = result_of(
-        await sibling.call(
-            token,
-            "demo_and_github",
-            input_responses={demo_key: {"action": "accept"}},
-            request_state=first["requestState"],
-        )
-    )
+    second = result_of(await sibling.answer(token, "demo_and_github", first))
     github_key, github_flow = flow_id_from(second)
     landed = await approve_at_github(browser, github_flow)
-    third = result_of(
-        await sibling.call(
-            token,
-            "demo_and_github",
-            input_responses={github_key: {"action": "accept"}},
-            request_state=second["requestState"],
-        )
-    )
+    third = result_of(await sibling.answer(token, "demo_and_github", second))
 
     assert (demo_key, github_key) == ("connect_demo", "connect_github")
     assert "Connected as <strong>@octocat</strong>" in landed
