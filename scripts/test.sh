@@ -55,8 +55,9 @@ export BROKER_TEST_ARTIFACTS="${BROKER_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 unset PYTHONDONTWRITEBYTECODE
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
-# Two workers per run, one test file each at a time (a module's stack stays on one worker).
-pytest=(python3 -m pytest -p no:benchmark -n 2 --dist loadfile --durations=15)
+# Two workers per run, one test file each at a time (a module's stack stays on one worker), the
+# files in the order tests/conftest.py gives them (the long ones first).
+pytest=(python3 -m pytest -p no:benchmark -n 2 --dist loadfile --no-loadscope-reorder --durations=15)
 
 part() {  # part NAME COMMAND...: run in the background, output to $logs/NAME.log
   local name="$1"

@@ -5,6 +5,7 @@ Run the suite once per database: `BROKER_TEST_DB=sqlite` (default) or `BROKER_TE
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -216,6 +217,16 @@ async def count_rows(db: AsyncEngine, table: str, **where: Any) -> int:
     async with db.connect() as connection:
         value = await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {clause}"), where)
     return int(value or 0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules holding a `slow` test first, then the others by their number of tests (most
+    first): pytest-xdist hands out whole modules in this order (scripts/test.sh:
+    `--dist loadfile --no-loadscope-reorder`), so the long ones start at once and the short ones
+    fill the workers around them, instead of a long module running alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    sizes = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow, -sizes[item.path]))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

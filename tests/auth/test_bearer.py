@@ -630,6 +630,7 @@ async def test_a11_random_kid_flood_fetches_jwks_at_most_once_per_cooldown(
     assert local_issuer.hits["/jwks"] <= 1 + int(elapsed // JWKS_COOLDOWN)
 
 
+@pytest.mark.slow  # waits out the JWKS refetch cooldown (30 s)
 async def test_a12_jwks_outage_keeps_the_last_known_good_keys(
     issuer_mcp: McpHttp, issuer_broker: BrokerProcess, local_issuer: LocalIssuer
 ) -> None:

@@ -244,6 +244,7 @@ class Journey:
     callback_url: str | None = None
 
 
+@pytest.mark.slow  # 100 flows through five kill -9 restarts
 async def test_r3_kill_9_with_20_flows_in_each_state_every_flow_finishes_once(
     stack: tuple[Stack, FakeGitHub], clients: Clients
 ) -> None:
