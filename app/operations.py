@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import FastAPI
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -25,6 +24,7 @@ from app.deps import SessionmakerDep, SettingsDep
 from app.errors import DATABASE_ERRORS
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.metrics import BrokerMetrics, RevocationBacklog
+from app.migrate import SCHEMA_VERSION
 from app.webhooks.delivery import Webhooks
 
 logger = logging.getLogger("broker")
@@ -52,7 +52,7 @@ async def _readyz(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.engine
     try:
         async with asyncio.timeout(READINESS_SECONDS), engine.connect() as connection:
-            await connection.execute(text("SELECT version_num FROM alembic_version"))
+            await connection.execute(SCHEMA_VERSION)
     except (*DATABASE_ERRORS, OSError, TimeoutError):
         return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
     return JSONResponse({"status": "ready"})

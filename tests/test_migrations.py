@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -11,10 +14,11 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from app.db import create_engine
-from app.migrate import alembic_config, is_current, upgrade
+from app.migrate import alembic_config, head_revision, is_current, shipped_revisions, upgrade
 from app.models import Base
 
 from .support.broker import drop_database, fresh_database
@@ -67,6 +71,41 @@ def test_upgrade_head_matches_the_models_and_downgrade_removes_everything(
     assert diff == []
     assert current
     assert left == set()
+
+
+def test_each_migration_is_named_after_its_revision_and_revises_the_one_before() -> None:
+    """The schema check at start-up reads revisions from the file names (app/migrate.py); they
+    must say what Alembic reads inside the files."""
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    newest_first = list(script.walk_revisions())
+    oldest_first = [revision.revision for revision in reversed(newest_first)]
+
+    assert shipped_revisions() == oldest_first
+    assert head_revision() == script.get_current_head()
+    for revision in newest_first:
+        assert Path(revision.path).name.startswith(f"{revision.revision}_"), revision.path
+    for older, newer in itertools.pairwise(oldest_first):
+        assert script.get_revision(newer).down_revision == older
+
+
+def test_the_schema_check_at_start_up_does_not_import_alembic(tmp_path: Path) -> None:
+    """What every `serve` and command pays for knowing the schema is current: no Alembic."""
+    url = fresh_database(tmp_path, "startup")
+    check = (
+        "import sys\n"
+        "from app.migrate import require_current\n"
+        f"require_current({url!r})\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'alembic'))\n"
+    )
+    try:
+        upgrade(url)
+        done = subprocess.run(
+            [sys.executable, "-c", check], capture_output=True, text=True, timeout=60, check=False
+        )
+    finally:
+        drop_database(url)
+
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
 
 def _rows(url: str, sql: str, **params: Any) -> list[dict[str, Any]]:
