@@ -16,9 +16,16 @@ install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
   fi
 
+  # the two npm installs run beside pip's (each waits on the network or the disk, not the CPU)
+  local npm_pids=()
+  npm ci --prefix tests/idp --no-audit --no-fund --loglevel=error &
+  npm_pids+=("$!")
+  npm ci --prefix tests/conformance --no-audit --no-fund --loglevel=error &
+  npm_pids+=("$!")
   python3 -m pip install -q --disable-pip-version-check -e ".[test]" -e ./clients/python
-  npm ci --prefix tests/idp --no-audit --no-fund --loglevel=error
-  npm ci --prefix tests/conformance --no-audit --no-fund --loglevel=error
+  for pid in "${npm_pids[@]}"; do
+    wait "$pid"
+  done
 }
 
 if [ "${BROKER_TEST_SKIP_INSTALL:-0}" != 1 ]; then
