@@ -129,7 +129,11 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         ),
         trust_env=False,
     )
-    identity_issuer = JwksCache(settings.identity.issuer, http=http)
+    identity_issuer = JwksCache(
+        settings.identity.issuer,
+        http=http,
+        cooldown=settings.identity.jwks_refresh_cooldown_seconds,
+    )
     provider_issuers = ProviderIssuers(http)
     notifier: FlowNotifier = (
         FlowNotifier(poll_interval=0.25)

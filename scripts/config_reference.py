@@ -118,6 +118,10 @@ MEANINGS: dict[str, str] = {
     "identity.required_scopes": "scopes every access token must carry (else 403 "
     "`insufficient_scope`)",
     "identity.algorithms": "JWS algorithms accepted on access tokens",
+    "identity.jwks_refresh_cooldown_seconds": "a token signed with a key id the cached JWKS "
+    "lacks refetches it at most once in this time (the last good keys stay in use meanwhile): "
+    "shorter picks up a rotated key sooner, longer bounds what a flood of made-up key ids costs "
+    "the identity provider",
     "keys.signing": 'required by `serve`: `"<key-id>:<base64url of 32 bytes>"` keys that sign '
     "`requestState` and key the digests of browser sessions, CSRF tokens, OAuth `state` and "
     "service secrets; the first is active, the others still verify",

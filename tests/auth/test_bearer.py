@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -46,7 +47,8 @@ from ..support.idp import (
 )
 from ..support.schema import validate_response
 
-JWKS_COOLDOWN = 30.0  # app/auth/jwks.py: at most one refetch per 30 s (panva/jose default)
+JWKS_COOLDOWN = 30.0  # identity.jwks_refresh_cooldown_seconds's default (panva/jose's too)
+QUICK_COOLDOWN = 2.0  # what A12's broker sets, so the test need not wait out the default
 REQUIRED_SCOPES = ["mcp:tools", "broker:connect"]
 FLOOD_SIZE = 500
 FLOOD_CONCURRENCY = 32
@@ -233,6 +235,17 @@ async def issuer_mcp(issuer_broker: BrokerProcess) -> AsyncIterator[McpHttp]:
     client = McpHttp(issuer_broker.mcp_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+def quick_refetch_broker(local_issuer: LocalIssuer, workdir: Path) -> Iterator[BrokerProcess]:
+    """`issuer_broker` with `identity.jwks_refresh_cooldown_seconds` at QUICK_COOLDOWN."""
+    config = BrokerConfig(
+        issuer=local_issuer.url,
+        extra={"identity": {"jwks_refresh_cooldown_seconds": QUICK_COOLDOWN}},
+    )
+    with running_broker(config, workdir, name="quick-refetch") as process:
+        yield process
 
 
 def local_token(issuer: LocalIssuer, broker: BrokerProcess, **overrides: Any) -> str:
@@ -630,34 +643,34 @@ async def test_a11_random_kid_flood_fetches_jwks_at_most_once_per_cooldown(
     assert local_issuer.hits["/jwks"] <= 1 + int(elapsed // JWKS_COOLDOWN)
 
 
-@pytest.mark.slow  # waits out the JWKS refetch cooldown (30 s)
 async def test_a12_jwks_outage_keeps_the_last_known_good_keys(
-    issuer_mcp: McpHttp, issuer_broker: BrokerProcess, local_issuer: LocalIssuer
+    quick_refetch_broker: BrokerProcess, local_issuer: LocalIssuer
 ) -> None:
     """A12. A failed refresh must not wipe the cached keys (pyjwt #1162): valid tokens still pass.
 
     A refresh is only attempted for an unknown kid once the cooldown has passed, so the test
-    keeps sending unknown kids (bounded by the cooldown plus a margin) until the failing issuer
-    has actually been asked, then checks fresh valid tokens (fresh: the verified-token cache must
-    not hide the behaviour).
+    keeps sending unknown kids (bounded by the broker's cooldown, set short, plus a margin
+    shorter than the default cooldown) until the failing issuer has actually been asked, then
+    checks fresh valid tokens (fresh: the verified-token cache must not hide the behaviour).
     """
-    first = await discover(issuer_mcp, local_token(local_issuer, issuer_broker))
-    assert first.status_code == 200, first.text
-    local_issuer.failing = True
-    deadline = time.monotonic() + JWKS_COOLDOWN + 15
-    while local_issuer.failed_hits == 0:
-        assert time.monotonic() < deadline, "the broker never retried the JWKS"
-        unknown_kid = local_token(local_issuer, issuer_broker, header={"kid": "rotated-away"})
-        assert (await discover(issuer_mcp, unknown_kid)).status_code == 401
-        await asyncio.sleep(0.5)
+    broker = quick_refetch_broker
+    async with contextlib.aclosing(McpHttp(broker.mcp_url)) as mcp:
+        first = await discover(mcp, local_token(local_issuer, broker))
+        assert first.status_code == 200, first.text
+        local_issuer.failing = True
+        deadline = time.monotonic() + QUICK_COOLDOWN + 15
+        while local_issuer.failed_hits == 0:
+            assert time.monotonic() < deadline, "the broker never retried the JWKS"
+            unknown_kid = local_token(local_issuer, broker, header={"kid": "rotated-away"})
+            assert (await discover(mcp, unknown_kid)).status_code == 401
+            await asyncio.sleep(0.5)
 
-    statuses = [
-        (await discover(issuer_mcp, local_token(local_issuer, issuer_broker))).status_code
-        for _ in range(3)
-    ]
+        statuses = [
+            (await discover(mcp, local_token(local_issuer, broker))).status_code for _ in range(3)
+        ]
 
     assert statuses == [200, 200, 200]
-    assert await issuer_broker.log_shows("jwks.refresh_failed")
+    assert await broker.log_shows("jwks.refresh_failed")
 
 
 async def test_a12_unusable_jwks_document_is_an_idp_outage_not_a_crash(

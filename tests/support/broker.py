@@ -134,11 +134,6 @@ class BrokerConfig:
         return f"{self.public_url}/mcp"
 
     def render(self, database_url: str) -> str:
-        server = {
-            "public_url": self.public_url,
-            "retry_wait_seconds": self.retry_wait_seconds,
-            **self.extra.get("server", {}),
-        }
         identity = {
             "issuer": self.issuer,
             "identity_claim": self.identity_claim,
@@ -146,14 +141,18 @@ class BrokerConfig:
             "login_client_secret": self.login_client_secret,
             "required_scopes": self.required_scopes,
         }
-        sections = {
-            "server": server,
-            "database": {"url": database_url, **self.extra.get("database", {})},
+        sections: dict[str, dict[str, Any]] = {
+            "server": {
+                "public_url": self.public_url,
+                "retry_wait_seconds": self.retry_wait_seconds,
+            },
+            "database": {"url": database_url},
             "identity": identity,
             "keys": {"signing": self.signing, "encryption": self.encryption},
-            "limits": {**UNREACHED_LIMITS, **self.extra.get("limits", {})},
+            "limits": dict(UNREACHED_LIMITS),
         }
-        sections |= {name: table for name, table in self.extra.items() if name not in sections}
+        for name, table in self.extra.items():  # `extra` adds sections, and keys to these
+            sections[name] = {**sections.get(name, {}), **table}
         lines: list[str] = []
         for section, values in sections.items():
             lines.append(f"[{section}]")
