@@ -4,7 +4,7 @@ Where it stands is read without Alembic, which only `migrate` imports: the datab
 `alembic_version` row, against the revisions shipped in migrations/versions, whose files are
 named after their revision (`0010_several_accounts.py` holds "0010", each revising the one
 before; tests/test_migrations.py checks both). `serve` and every command check the schema as
-they start, and importing Alembic for that alone cost each about 0.07 s.
+they start (docs/adr/0008-schema-check-without-alembic.md).
 """
 
 from __future__ import annotations

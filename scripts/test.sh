@@ -58,7 +58,7 @@ fi
 
 export BROKER_TEST_ARTIFACTS="${BROKER_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # Every broker, replica and CLI call the tests start imports the app's ~110 modules; without
-# cached bytecode each start compiles them all again (about 0.1 CPU-s a start).
+# cached bytecode each start compiles them all again.
 unset PYTHONDONTWRITEBYTECODE
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
