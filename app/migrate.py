@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from sqlalchemy import inspect, text
+from sqlalchemy import Select, column, inspect, select, table
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
 MIGRATION_FILE = re.compile(r"(\d{4})_\w+\.py")
 VERSION_TABLE = "alembic_version"
-SCHEMA_VERSION = text("SELECT version_num FROM alembic_version")
+SCHEMA_VERSION: Select[tuple[str]] = select(column("version_num")).select_from(table(VERSION_TABLE))
 
 
 class DatabaseUnreachable(CommandFailed):
