@@ -7,8 +7,8 @@ connections than the configured pools hold. Speed is the benchmark's business (b
 the latency wrk reports is not asserted here.
 
 On PostgreSQL the load is R1's closed loop (each connection sends again as soon as it is
-answered), which is what fills the pools the check counts. On SQLite, which has no such pool,
-each connection pauses PACED_MS between requests (at most about 1,300 a second, tens of
+answered), which is what fills the pools the check counts. On SQLite, where no connections are
+counted, each connection pauses PACED_MS between requests (at most about 1,300 a second, tens of
 thousands a window for the leak check), so the run no longer takes both CPUs from the rest of
 the suite for a minute.
 """
