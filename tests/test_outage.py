@@ -17,6 +17,7 @@ when the database answers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -57,8 +58,6 @@ class OutageStack:
     stack: Stack
     fake: FakeGitHub
     outage: DatabaseOutage
-    mcp: McpHttp
-    browser: Browser
     db: AsyncEngine
 
     @property
@@ -66,8 +65,8 @@ class OutageStack:
         return self.stack.broker
 
 
-@pytest.fixture
-async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
+@contextlib.asynccontextmanager
+async def _outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     """A broker of its own whose database can be taken away, with a GitHub of its own."""
     with (
         FakeGitHub(redirect_uri="http://127.0.0.1:9/set-below") as fake,
@@ -80,19 +79,47 @@ async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     ):
         fake.redirect_uri = f"{stack.broker.url}/oauth/github/callback"
         outage = await DatabaseOutage.arrange(stack.broker)
-        mcp, browser = McpHttp(stack.broker.mcp_url), Browser(stack.broker.url)
         db = create_engine(stack.broker.database_url, pool_size=1)
         try:
-            yield OutageStack(stack, fake, outage, mcp, browser, db)
+            yield OutageStack(stack, fake, outage, db)
         finally:
             await outage.close()
-            await mcp.aclose()
-            await browser.aclose()
             await db.dispose()
 
 
+@pytest.fixture(scope="module")
+async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
+    """Shared by the module's tests: each gives the database back before it ends and leaves the
+    broker serving (the broker's recovery is what they check), and each uses users of its own,
+    so a test counts the fake GitHub's token calls from where it started."""
+    async with _outage_stack(workdir) as built:
+        yield built
+
+
+@pytest.fixture
+async def own_outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
+    """For a test that stops its broker."""
+    async with _outage_stack(workdir) as built:
+        yield built
+
+
+@pytest.fixture
+async def outage_mcp(outage_stack: OutageStack) -> AsyncIterator[McpHttp]:
+    client = McpHttp(outage_stack.broker.mcp_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def outage_browser(outage_stack: OutageStack) -> AsyncIterator[Browser]:
+    """A browser of the test's own: no other test's sign-in."""
+    client = Browser(outage_stack.broker.url)
+    yield client
+    await client.aclose()
+
+
 async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
-    outage_stack: OutageStack,
+    outage_stack: OutageStack, outage_mcp: McpHttp, outage_browser: Browser
 ) -> None:
     """-32603 with HTTP 503 and Retry-After, in bounded time; /healthz 200 throughout, /readyz
     503 while PostgreSQL is away (SQLite's outage is a held write lock: reads, and so readiness,
@@ -100,7 +127,7 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
     restart. A metrics scrape still answers; the revocation backlog, read from the database, is
     left out while PostgreSQL is away."""
     stack, outage = outage_stack.stack, outage_stack.outage
-    mcp, browser = outage_stack.mcp, outage_stack.browser
+    mcp, browser = outage_mcp, outage_browser
     token = stack.token(unique("j1"))
     assert (await _round_one(mcp, token)).status_code == 200
 
@@ -130,14 +157,15 @@ async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
 
 
 async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes_on_reload(
-    outage_stack: OutageStack,
+    outage_stack: OutageStack, outage_mcp: McpHttp, outage_browser: Browser
 ) -> None:
     stack, fake, outage = outage_stack.stack, outage_stack.fake, outage_stack.outage
-    mcp, browser, db = outage_stack.mcp, outage_stack.browser, outage_stack.db
+    mcp, browser, db = outage_mcp, outage_browser, outage_stack.db
     user = unique("j2")
     token = stack.token(user)
     armed = await arm(mcp, browser, token, user)
     back = await approve_at_provider(browser.http, armed.authorize_url)
+    token_calls = fake.token_calls
 
     await outage.begin()
     during = await deliver(browser, back)
@@ -145,25 +173,25 @@ async def test_j2_callback_during_a_database_outage_spends_no_code_and_completes
 
     assert during.status_code == 503, during.text
     assert "Temporarily unavailable" in during.text
-    assert fake.token_calls == 0
+    assert fake.token_calls == token_calls
     reloaded = await deliver(browser, back)
     assert reloaded.status_code == 303, reloaded.text
     assert reloaded.headers["location"] == f"/connect/{armed.flow_id}"
     answer = await retry_connect(mcp, token, armed.opened)
     assert tool_result(answer)["structuredContent"]["status"] == "connected"
-    assert fake.token_calls == 1
+    assert fake.token_calls == token_calls + 1
     assert await count_rows(db, "connections", subject=user, provider="github") == 1
 
 
 async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_the_loop(
-    outage_stack: OutageStack,
+    outage_stack: OutageStack, outage_mcp: McpHttp, outage_browser: Browser
 ) -> None:
     """A tool call (the direct store) and a form post (the ORM session; declining a flow)
     started while the database hangs both get their "unavailable" answer within 5 s (R5) and
     change nothing; /healthz, which needs no database, keeps answering at once meanwhile; both
     work again once the database answers."""
     stack, outage = outage_stack.stack, outage_stack.outage
-    mcp, browser, db = outage_stack.mcp, outage_stack.browser, outage_stack.db
+    mcp, browser, db = outage_mcp, outage_browser, outage_stack.db
     user = unique("j5")
     token = stack.token(user)
     loop = asyncio.get_running_loop()
@@ -206,20 +234,21 @@ async def test_j5_database_hang_fails_requests_in_bounded_time_and_never_stalls_
 
 
 async def test_j5_broker_stopped_while_the_database_hangs_exits_cleanly(
-    outage_stack: OutageStack,
+    own_outage_stack: OutageStack,
 ) -> None:
     """SIGTERM during a hang (after requests used the database): the broker drops what it
     cannot close politely and exits on the signal (as uvicorn does) without a traceback, well
     before the supervisor's kill."""
-    broker, outage = outage_stack.broker, outage_stack.outage
-    token = outage_stack.stack.token(unique("j5-stop"))
-    assert (await _round_one(outage_stack.mcp, token)).status_code == 200
-    await outage.begin(hang=True)
-    log_start = len(broker.log())
-    started = asyncio.get_running_loop().time()
-    broker.process.send_signal(signal.SIGTERM)
-    code = await asyncio.to_thread(broker.process.wait, STOP_BOUND_SECONDS)
-    stopped = asyncio.get_running_loop().time() - started
+    broker, outage = own_outage_stack.broker, own_outage_stack.outage
+    token = own_outage_stack.stack.token(unique("j5-stop"))
+    async with contextlib.aclosing(McpHttp(broker.mcp_url)) as mcp:
+        assert (await _round_one(mcp, token)).status_code == 200
+        await outage.begin(hang=True)
+        log_start = len(broker.log())
+        started = asyncio.get_running_loop().time()
+        broker.process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(broker.process.wait, STOP_BOUND_SECONDS)
+        stopped = asyncio.get_running_loop().time() - started
 
     assert code == -signal.SIGTERM, broker.log()[log_start:]  # not -SIGKILL, not a failure
     assert stopped < STOP_BOUND_SECONDS
@@ -248,7 +277,11 @@ async def new_browser(outage_stack: OutageStack) -> AsyncIterator[Callable[[], B
 
 @pytest.mark.parametrize("kind", _outage_kinds())
 async def test_r5_outage_under_load_answers_within_5_s_and_recovers_without_a_restart(
-    outage_stack: OutageStack, new_browser: Callable[[], Browser], kind: str
+    outage_stack: OutageStack,
+    outage_mcp: McpHttp,
+    outage_browser: Browser,
+    new_browser: Callable[[], Browser],
+    kind: str,
 ) -> None:
     """R5, shortened for CI (an 8 s outage, not 20 s). Under steady tool calls, the database
     goes away (PostgreSQL: refused, or hanging; SQLite: its write lock held elsewhere) while 5
@@ -257,7 +290,7 @@ async def test_r5_outage_under_load_answers_within_5_s_and_recovers_without_a_re
     database is back, every call started 10 s later succeeds, in the same broker process, and
     reloading the 5 callbacks completes them."""
     stack, fake, outage = outage_stack.stack, outage_stack.fake, outage_stack.outage
-    mcp, browser, db = outage_stack.mcp, outage_stack.browser, outage_stack.db
+    mcp, browser, db = outage_mcp, outage_browser, outage_stack.db
     loop = asyncio.get_running_loop()
     pid = stack.broker.process.pid
     loader = unique("r5-load")
