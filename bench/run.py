@@ -21,7 +21,7 @@ round1, retry and credential run --repeat times, each broker run followed at onc
 of the same requests: a row shows the medians over the repeats, its ratio is the median of the
 per-pair ratios (listed under "checks"), so a slow spell of the machine hits both sides of a pair.
 "cpu ms/req" is the server process's CPU time per response: unlike req/s it holds up when other
-processes compete for the CPUs.
+processes compete for the CPUs; "cpu ratio" compares it with the bare reference's (informational).
 """
 
 from __future__ import annotations
