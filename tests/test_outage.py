@@ -88,12 +88,19 @@ async def _outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
 
 
 @pytest.fixture(scope="module")
-async def outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
-    """Shared by the module's tests: each gives the database back before it ends and leaves the
-    broker serving (the broker's recovery is what they check), and each uses users of its own,
-    so a test counts the fake GitHub's token calls from where it started."""
+async def module_outage_stack(workdir: Path) -> AsyncIterator[OutageStack]:
     async with _outage_stack(workdir) as built:
         yield built
+
+
+@pytest.fixture
+async def outage_stack(module_outage_stack: OutageStack) -> AsyncIterator[OutageStack]:
+    """The module's one stack, shared by its tests: each uses users of its own (so it counts the
+    fake GitHub's token calls from where it started) and leaves the broker serving, which is
+    what they check. The database is given back when a test ends, however it ends, so a failed
+    test cannot leave the next one without it."""
+    yield module_outage_stack
+    await module_outage_stack.outage.end()
 
 
 @pytest.fixture
