@@ -118,11 +118,23 @@ async def outage_mcp(outage_stack: OutageStack) -> AsyncIterator[McpHttp]:
 
 
 @pytest.fixture
-async def outage_browser(outage_stack: OutageStack) -> AsyncIterator[Browser]:
-    """A browser of the test's own: no other test's sign-in."""
-    client = Browser(outage_stack.broker.url)
-    yield client
-    await client.aclose()
+async def new_browser(outage_stack: OutageStack) -> AsyncIterator[Callable[[], Browser]]:
+    """Browsers for a test's own users, closed when it ends, however it ends."""
+    opened: list[Browser] = []
+
+    def open_one() -> Browser:
+        opened.append(Browser(outage_stack.broker.url))
+        return opened[-1]
+
+    yield open_one
+    for browser in opened:
+        await browser.aclose()
+
+
+@pytest.fixture
+def outage_browser(new_browser: Callable[[], Browser]) -> Browser:
+    """The test's first browser: no other test's sign-in."""
+    return new_browser()
 
 
 async def test_j1_database_down_on_mcp_answers_503_and_recovers_by_itself(
@@ -266,20 +278,6 @@ async def test_j5_broker_stopped_while_the_database_hangs_exits_cleanly(
 def _outage_kinds() -> list[str]:
     """PostgreSQL refusing connections and hanging; SQLite's one kind, a held write lock."""
     return ["down", "hang"] if database_kind() == "postgresql" else ["locked"]
-
-
-@pytest.fixture
-async def new_browser(outage_stack: OutageStack) -> AsyncIterator[Callable[[], Browser]]:
-    """Browsers for a test's own users, closed when it ends, however it ends."""
-    opened: list[Browser] = []
-
-    def open_one() -> Browser:
-        opened.append(Browser(outage_stack.stack.broker.url))
-        return opened[-1]
-
-    yield open_one
-    for browser in opened:
-        await browser.aclose()
 
 
 @pytest.mark.parametrize("kind", _outage_kinds())
