@@ -115,7 +115,8 @@ async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
         "credential.stored",
     ]
     names = [row.event for row in events]
-    erasure = events[names.index("user.erased")]
+    erased_at = names.index("user.erased")
+    erasure = events[erased_at]
     assert (erasure.event, erasure.actor_kind, erasure.actor_id) == (
         "user.erased",
         "operator",
@@ -123,7 +124,7 @@ async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
     )
     assert erasure.detail == "connections=1 revocations_queued=1 flows=2 sessions=1 audit_events=1"
     # the erasure is the last event, unless the revocation worker has since revoked the grant
-    after = names[names.index("user.erased") + 1 :]
+    after = names[erased_at + 1 :]
     assert after in ([], ["revocation.confirmed"]), after
     assert not after or not fake_github.is_live(github_token)
     assert github_token not in erased.stdout + erased.stderr

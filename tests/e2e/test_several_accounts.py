@@ -171,6 +171,7 @@ async def test_the_accounts_lifecycle_is_posted_signed_listed_and_erased(
         return bool(event["subject"] == user)
 
     round_events = ["flow.created", "flow.completed", "credential.stored"]
+    through_erasure = 2 * len(round_events) + 1  # both accounts' rounds, then user.erased
 
     elicitations = Elicitations(browser_connect(context, idp, user))
     async with asyncio.timeout(TEST_DEADLINE):
@@ -186,7 +187,7 @@ async def test_the_accounts_lifecycle_is_posted_signed_listed_and_erased(
                      config_path=broker.config_path)  # fmt: skip
         async with official_client(token, elicitations) as client:
             listed = structured(await client.call_tool("list_connections", {}))
-        posted = await receiver.wait_for(2 * len(round_events) + 1, mine)
+        posted = await receiver.wait_for(through_erasure, mine)
 
     verify = documented_verify()
     assert [d.event["event"] for d in connected] == round_events * 2
@@ -202,9 +203,9 @@ async def test_the_accounts_lifecycle_is_posted_signed_listed_and_erased(
     assert "connections=2 revocations_queued=2" in erased.stdout
     assert listed["connections"] == []
     names = [d.event["event"] for d in posted]
-    assert names[: len(round_events) * 2 + 1] == [*round_events * 2, "user.erased"]
+    assert names[:through_erasure] == [*round_events * 2, "user.erased"]
     # the revocation worker may already have confirmed the revocations the erasure queued
-    assert set(names[len(round_events) * 2 + 1 :]) <= {"revocation.confirmed"}, names
+    assert set(names[through_erasure:]) <= {"revocation.confirmed"}, names
     issued = [t for t in github.issued_access_tokens if t]
     everything = audit.stdout + erased.stdout + webhook_replica.log() + broker.log()
     everything += "".join(d.body.decode() for d in posted)
