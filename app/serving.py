@@ -58,12 +58,17 @@ class _Guard:
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and self._between_requests():
-            self._arm()  # the first byte of a request after an answer
+        """A request after an answer gets its deadline from its first bytes, armed only when
+        those bytes leave its headers incomplete: a whole request in one read (the usual case on
+        a kept-alive connection) then costs no timer."""
+        starts_request = self._header_timer is None and self._between_requests()
         super().data_received(data)  # type: ignore[misc]
-        if self._header_timer is not None and not self._between_requests():
-            self._header_timer.cancel()  # the headers are complete
-            self._header_timer = None
+        if self._header_timer is not None:
+            if not self._between_requests():
+                self._header_timer.cancel()  # the headers are complete
+                self._header_timer = None
+        elif starts_request and self._between_requests():
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
