@@ -16,6 +16,7 @@ from app.crypto import generate_key
 from app.providers.settings import ApiKeyProviderSettings
 
 from .support.broker import BrokerConfig, cli
+from .support.http import local_get
 from .support.idp import free_port
 
 KEYS = f'signing = ["{generate_key("s1")}"]\nencryption = ["{generate_key("e1")}"]\n'
@@ -258,7 +259,7 @@ def test_several_workers_on_sqlite_serve_with_a_warning_and_each_logs(
         )
     try:
         assert serves(f"{config.public_url}/healthz", process), log.read_text()
-        answered = httpx2.get(f"{config.public_url}/no-such-page", timeout=5, trust_env=False)
+        answered = local_get(f"{config.public_url}/no-such-page", timeout=5)
     finally:
         process.terminate()
         process.wait(SERVE_TIMEOUT)
@@ -278,7 +279,7 @@ def serves(url: str, process: subprocess.Popen[bytes]) -> bool:
     deadline = time.monotonic() + SERVE_TIMEOUT
     while time.monotonic() < deadline and process.poll() is None:
         with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(url, timeout=1, trust_env=False).status_code == 200:
+            if local_get(url, timeout=1).status_code == 200:
                 return True
         time.sleep(0.1)
     return False

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx2
 import pytest
 
 from .support.broker import BrokerProcess
 from .support.clients import Browser, McpHttp, flow_id_from
+from .support.http import local_client
 from .support.idp import free_port
 from .support.playground import cli, running_dev
 
@@ -81,7 +81,7 @@ async def test_dev_playground_connects_the_demo_provider_end_to_end(
 
 async def test_serve_never_exposes_the_development_idp(broker: BrokerProcess) -> None:
     """The dev IdP is mounted only by the `dev` command; no setting enables it."""
-    async with httpx2.AsyncClient(trust_env=False) as http:
+    async with local_client() as http:
         for path in (
             "/dev-idp/.well-known/openid-configuration",
             "/dev-idp/authorize",

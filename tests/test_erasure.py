@@ -27,6 +27,7 @@ from .oauth.test_revocation_retries import close_runtime, open_runtime
 from .support.broker import BrokerConfig, BrokerProcess, cli, running_broker
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
+from .support.http import local_client
 from .support.idp import IdpProcess, mint_token
 
 pytestmark = pytest.mark.both_databases
@@ -150,7 +151,7 @@ def test_erase_needs_both_issuer_and_subject(broker: BrokerProcess) -> None:
 
 
 async def test_the_session_broker_has_no_admin_api_without_a_token(broker: BrokerProcess) -> None:
-    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+    async with local_client(timeout=10) as http:
         response = await http.delete(
             f"{broker.url}/api/v1/admin/users",
             params={"issuer": broker.config.issuer, "subject": "someone"},
@@ -178,7 +179,7 @@ async def admin_delete(
     broker: BrokerProcess, params: dict[str, str], token: str | None = ADMIN_TOKEN
 ) -> httpx2.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+    async with local_client(timeout=10) as http:
         return await http.delete(f"{broker.url}/api/v1/admin/users", params=params, headers=headers)
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx2
-
 from .support.broker import BrokerProcess, LogWindow
+from .support.http import local_client
 
 
 async def raw_request(broker: BrokerProcess, host: bytes) -> bytes:
@@ -24,7 +23,7 @@ async def raw_request(broker: BrokerProcess, host: bytes) -> bytes:
 async def test_a_refused_host_is_logged_with_the_accepted_ones(broker: BrokerProcess) -> None:
     window = LogWindow(broker)
 
-    async with httpx2.AsyncClient(trust_env=False) as http:
+    async with local_client() as http:
         response = await http.get(f"{broker.url}/connections", headers={"Host": "other.example"})
 
     log = await window.wait_for("host.refused")

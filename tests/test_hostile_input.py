@@ -19,6 +19,7 @@ import pytest
 from .integration_api.test_api import fresh_name, register
 from .support.broker import BrokerProcess, LogWindow
 from .support.clients import request_body, request_headers
+from .support.http import local_client
 from .support.raw_http import exchange, request_head
 
 pytestmark = pytest.mark.both_databases
@@ -51,7 +52,7 @@ SURROGATE_CASES = {
 
 
 async def post_mcp(broker: BrokerProcess, token: str, body: dict[str, Any], text: bytes) -> Any:
-    async with httpx2.AsyncClient(trust_env=False, timeout=30) as http:
+    async with local_client(timeout=30) as http:
         return await http.post(broker.mcp_url, content=text, headers=request_headers(body, token))
 
 
@@ -168,7 +169,7 @@ async def test_L3_api_hostile_body_gets_a_problem_4xx(
     text = json.dumps(body).replace(placeholder, escaped)
     content = text.replace("ISSUER", broker.config.issuer).replace("SUBJECT", fresh_name("s"))
     window = LogWindow(broker)
-    async with httpx2.AsyncClient(trust_env=False, timeout=30) as http:
+    async with local_client(timeout=30) as http:
         response = await http.post(
             f"{broker.url}/api/v1/connections/demo/require",
             content=content.encode(),

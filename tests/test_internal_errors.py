@@ -29,6 +29,7 @@ from app.mcp.registry import ToolCall, ToolRegistry, ToolResult
 
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.clients import CLIENT_LIMITS, McpHttp
+from .support.http import local_client
 from .support.idp import IdpProcess, free_port, mint_token
 from .support.schema import validate_response
 
@@ -110,7 +111,7 @@ async def served(config: tuple[BrokerConfig, Path], idp: IdpProcess) -> AsyncIte
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(timeout=30, trust_env=False, limits=CLIENT_LIMITS) as client:
+    async with local_client(timeout=30, limits=CLIENT_LIMITS) as client:
         yield client
 
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx2
 import pytest
 
 from app.config import ConfigError, load_settings
 
 from .support.broker import BrokerConfig, BrokerProcess, running_broker
+from .support.http import local_client
 from .support.idp import IdpProcess
 
 DOCS = "https://docs.example/connect-broker"
 
 
 async def test_the_root_shows_the_landing_page(broker: BrokerProcess) -> None:
-    async with httpx2.AsyncClient(trust_env=False) as http:
+    async with local_client() as http:
         response = await http.get(f"{broker.url}/")
 
     assert response.status_code == 200
@@ -30,7 +30,7 @@ async def test_the_root_shows_the_landing_page(broker: BrokerProcess) -> None:
 async def test_the_landing_page_links_the_configured_docs(idp: IdpProcess, workdir: Path) -> None:
     config = BrokerConfig(issuer=idp.issuer, extra={"server": {"docs_url": DOCS}})
     with running_broker(config, workdir, name="docs-url") as broker:
-        async with httpx2.AsyncClient(trust_env=False) as http:
+        async with local_client() as http:
             response = await http.get(f"{broker.url}/")
 
     assert response.status_code == 200

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 from starlette.types import Receive, Scope, Send
 
@@ -22,6 +21,7 @@ from app.logsetup import TurnFlushedHandler
 from app.middleware import AccessLog, access_logger
 
 from .support.broker import BrokerConfig, running_broker
+from .support.http import local_client
 from .support.idp import IdpProcess
 
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -151,7 +151,7 @@ async def test_serve_with_json_writes_every_line_as_json(idp: IdpProcess, tmp_pa
     """The real `serve`: start-up lines, uvicorn's own and the access lines all parse."""
     config = BrokerConfig(issuer=idp.issuer, extra={"logging": {"format": "json"}})
     with running_broker(config, tmp_path, name="json-logs") as broker:
-        async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+        async with local_client(timeout=10) as http:
             assert (await http.get(f"{broker.url}/healthz?code=SECRETCODE")).status_code == 200
             await http.get(f"{broker.url}/no/such/page")
         await broker.wait_for_log('"path":"/no/such/page"')

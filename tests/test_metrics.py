@@ -22,6 +22,7 @@ from .conftest import DEMO_PROVIDER
 from .connect import open_flow, submit_key, unique
 from .support.broker import BrokerProcess
 from .support.clients import CLIENT_LIMITS, Browser, McpHttp, request_body
+from .support.http import local_client
 from .support.schema import validate_response
 from .support.stack import Stack, running_stack
 
@@ -44,7 +45,7 @@ def stack(workdir: Path) -> Iterator[Stack]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(timeout=30, trust_env=False, limits=CLIENT_LIMITS) as client:
+    async with local_client(timeout=30, limits=CLIENT_LIMITS) as client:
         yield client
 
 

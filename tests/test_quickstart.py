@@ -24,6 +24,7 @@ import pytest
 from playwright.async_api import Page, async_playwright
 
 from .e2e.conftest import ACTION_TIMEOUT_MS, CHROMIUM, CHROMIUM_ARGS
+from .support.http import local_client
 from .support.idp import free_port
 from .test_packaging import ROOT
 
@@ -141,7 +142,7 @@ def installed_from(env: dict[str, str]) -> str:
 
 
 async def wait_until_serving(url: str, server: subprocess.Popen[str], log: Path) -> None:
-    async with httpx2.AsyncClient(trust_env=False, timeout=1) as http:
+    async with local_client(timeout=1) as http:
         for _ in range(int(STEP_TIMEOUT * 10)):
             assert server.poll() is None, log.read_text()
             with contextlib.suppress(httpx2.HTTPError):

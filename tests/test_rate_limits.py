@@ -36,6 +36,7 @@ from .conftest import DEMO_PROVIDER, count_rows
 from .integration_api.test_helper import Sibling, result_of
 from .support.broker import BrokerConfig, BrokerProcess, LogWindow, cli, running_broker
 from .support.clients import McpHttp, request_body
+from .support.http import local_client
 from .support.idp import IdpProcess, mint_token
 from .support.schema import validate_response
 from .test_metrics import SCRAPE_TOKEN, scrape
@@ -51,7 +52,7 @@ SMALL_LIMITS = {
 
 async def refusals(broker: BrokerProcess) -> dict[str, float]:
     """`broker_rate_limited_total` by limit, scraped from /metrics."""
-    async with httpx2.AsyncClient(trust_env=False) as http:
+    async with local_client() as http:
         _, samples = await scrape(http, broker)
     return {
         dict(labels)["limit"]: count
@@ -232,7 +233,7 @@ async def test_the_official_client_sees_the_refusal_as_an_error_with_our_code(
     limited_broker: BrokerProcess, idp: IdpProcess
 ) -> None:
     bearer = token(idp, limited_broker, "dave-" + secrets.token_hex(3))
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {bearer}"}, trust_env=False)
+    http = local_client(headers={"Authorization": f"Bearer {bearer}"})
     async with http, Client(streamable_http_client(limited_broker.mcp_url, http_client=http)) as c:
         outcomes: list[Any] = []
         for _ in range(BURST + 1):
@@ -374,7 +375,7 @@ async def test_an_address_past_its_failed_service_secrets_gets_429_problem_json(
     query = {"issuer": idp.issuer, "subject": "hana"}
     credential_route = "/api/v1/credentials/demo"  # a plain route of its own
     fastapi_route = "/api/v1/connections"
-    async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
+    async with local_client(base_url=limited_broker.url) as http:
 
         def get(path: str, bearer: str) -> Any:
             return http.get(path, params=query, headers={"Authorization": f"Bearer {bearer}"})
@@ -411,7 +412,7 @@ async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_locko
     secret = created.stdout.strip()
     wrong = "cbs_" + secrets.token_urlsafe(32)
     query = {"issuer": idp.issuer, "subject": "ivan"}
-    async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
+    async with local_client(base_url=limited_broker.url) as http:
 
         def get(path: str, bearer: str) -> Any:
             return http.get(path, params=query, headers={"Authorization": f"Bearer {bearer}"})
@@ -449,7 +450,7 @@ async def test_a_sibling_refused_for_its_address_answers_a_retryable_error_resul
     created = cli("service", "create", "helper-sibling", config_path=limited_broker.config_path)
     assert created.returncode == 0, created.stderr
     wrong = {"Authorization": "Bearer cbs_" + secrets.token_urlsafe(32)}
-    async with httpx2.AsyncClient(base_url=limited_broker.url, trust_env=False) as http:
+    async with local_client(base_url=limited_broker.url) as http:
         for _ in range(BURST):
             failed = await http.get("/api/v1/connections", params={}, headers=wrong)
             assert failed.status_code == 401

@@ -30,6 +30,7 @@ from .support.broker import (
 )
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
+from .support.http import local_client
 from .support.idp import IdpProcess, free_port, mint_token
 from .support.relay import TcpRelay
 from .support.stack import running_stack
@@ -96,9 +97,8 @@ async def replicas(workdir: Path) -> AsyncIterator[Replicas]:
 
 def one_request_per_connection() -> httpx2.AsyncClient:
     """A client that opens a new connection for every request, so the balancer alternates."""
-    return httpx2.AsyncClient(
+    return local_client(
         timeout=60,
-        trust_env=False,
         follow_redirects=False,
         limits=httpx2.Limits(max_keepalive_connections=0),
     )

@@ -7,12 +7,11 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-import httpx2
-
 from app.db import private_sqlite_file
 
 from .conftest import DEMO_PROVIDER
 from .support.broker import BrokerConfig, start_broker
+from .support.http import local_client
 from .support.idp import IdpProcess
 
 
@@ -28,7 +27,7 @@ async def test_L9_serve_creates_the_sqlite_directory_0700_and_its_files_0600(
     config = BrokerConfig(issuer=idp.issuer, providers={"demo": DEMO_PROVIDER})
     broker = start_broker(config, workdir, name="l9", database_url=f"sqlite:///{database}")
     try:
-        async with httpx2.AsyncClient(trust_env=False) as http:  # a write: the WAL is in use
+        async with local_client() as http:  # a write: the WAL is in use
             assert (await http.get(f"{broker.url}/readyz")).status_code == 200
         files = sorted(path.name for path in directory.iterdir())
         modes = {name: mode(directory / name) for name in files}

@@ -21,7 +21,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 from sqlalchemy import select, text
 
@@ -42,6 +41,7 @@ from .oauth.test_refresh_revoke import ask_to_disconnect, confirm_disconnect
 from .oauth.test_revocation_retries import close_runtime, later
 from .support.broker import BrokerProcess, cli, database_kind, serve_replica
 from .support.clients import Browser, McpHttp
+from .support.http import local_client
 from .support.webhook_receiver import Delivery, Receiver, running_receiver
 
 pytestmark = pytest.mark.both_databases
@@ -115,7 +115,7 @@ def of_user(user: str) -> Callable[[dict[str, Any]], bool]:
 
 
 async def scrape(broker: BrokerProcess) -> str:
-    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+    async with local_client(timeout=10) as http:
         response = await http.get(
             f"{broker.url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
         )

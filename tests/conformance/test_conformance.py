@@ -27,6 +27,7 @@ import httpx2
 import pytest
 
 from ..support.broker import BrokerConfig, cli, drop_database, fresh_database
+from ..support.http import local_get
 from ..support.idp import IdpProcess, mint_token
 from .serve import TOKEN_VARIABLE
 
@@ -140,7 +141,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path) ->
         if process.poll() is not None:
             raise RuntimeError(f"conformance broker exited:\n{log_path.read_text()}")
         with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if local_get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
         time.sleep(0.1)
     raise RuntimeError(f"conformance broker did not start:\n{log_path.read_text()}")

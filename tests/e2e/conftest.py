@@ -24,6 +24,7 @@ from mcp_types import Implementation
 from playwright.async_api import Browser, BrowserContext, Playwright, async_playwright
 
 from ..support.broker import BrokerProcess
+from ..support.http import local_client
 from ..support.idp import IdpProcess, obtain_access_token
 from ..support.schema import validate, validate_response
 
@@ -167,10 +168,9 @@ def official_client(broker: BrokerProcess, wire: WireLog) -> OpenClient:
 
     @asynccontextmanager
     async def open_client(token: str, on_elicit: ElicitationFnT) -> AsyncIterator[Client]:
-        http = httpx2.AsyncClient(
+        http = local_client(
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx2.Timeout(MCP_ROUND_TIMEOUT),
-            trust_env=False,
             event_hooks={"request": [wire.on_request], "response": [wire.on_response]},
         )
         async with (

@@ -42,6 +42,7 @@ from app.db import create_engine
 from ..conftest import count_rows, flow_row, github_provider
 from ..support.broker import BrokerProcess, cli
 from ..support.fake_github import FakeGitHub
+from ..support.http import local_client, local_get
 from ..support.idp import (
     IdpProcess,
     free_port,
@@ -141,7 +142,7 @@ def wait_until_serving(sibling: SiblingProcess) -> None:
         if sibling.process.poll() is not None:
             raise RuntimeError(f"the sibling exited: {sibling.log()}")
         with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(metadata, timeout=1, trust_env=False).status_code == 200:
+            if local_get(metadata, timeout=1).status_code == 200:
                 return
         time.sleep(0.1)
     raise RuntimeError(f"the sibling did not start: {sibling.log()}")
@@ -217,10 +218,9 @@ async def official_client(
     url: str, token: str, on_elicit: UrlElicitations, wire: WireLog
 ) -> AsyncIterator[Client]:
     """The SDK's Client over HTTP to a sibling, every exchange recorded on `wire`."""
-    http = httpx2.AsyncClient(
+    http = local_client(
         headers={"Authorization": f"Bearer {token}"},
         timeout=httpx2.Timeout(MCP_ROUND_TIMEOUT),
-        trust_env=False,
         event_hooks={"request": [wire.on_request], "response": [wire.on_response]},
     )
     async with (
@@ -360,7 +360,7 @@ async def test_another_sibling_cannot_read_the_connection_and_asks_for_its_own(
         ) as client:
             refused = await client.call_tool("list_github_repos", {})
         query = {"issuer": deployment.idp.issuer, "subject": user}
-        async with httpx2.AsyncClient(base_url=deployment.broker.url, trust_env=False) as api:
+        async with local_client(base_url=deployment.broker.url) as api:
             own = await api.get(
                 "/api/v1/credentials/github",
                 params=query,

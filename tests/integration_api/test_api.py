@@ -36,6 +36,7 @@ from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, LogWindow, cli
 from ..support.clients import URL_CAPS, Browser
 from ..support.fake_github import FakeGitHub
+from ..support.http import local_client, local_get
 from ..support.idp import IdpProcess
 from ..support.schema import validate_response
 
@@ -94,9 +95,8 @@ class ServiceApi:
     def __init__(self, broker_url: str, service: Registered) -> None:
         self.name = service.name
         self.secret = service.secret
-        self.http = httpx2.AsyncClient(
+        self.http = local_client(
             base_url=f"{broker_url}/api/v1",
-            trust_env=False,
             timeout=30,
             headers={"Authorization": f"Bearer {service.secret}"},
         )
@@ -926,7 +926,7 @@ QUERY_USER_OPERATIONS = {
 
 @pytest.fixture(scope="module")
 def openapi(broker: BrokerProcess) -> dict[str, Any]:
-    response = httpx2.get(f"{broker.url}/api/v1/openapi.json", timeout=10, trust_env=False)
+    response = local_get(f"{broker.url}/api/v1/openapi.json", timeout=10)
     assert response.status_code == 200, response.text
     document: dict[str, Any] = response.json()
     return document

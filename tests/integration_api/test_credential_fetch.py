@@ -23,6 +23,7 @@ from connect_broker_client.broker import _credential
 
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser
+from ..support.http import local_client
 from ..support.idp import IdpProcess
 from .test_api import (
     API_KEY,
@@ -142,9 +143,7 @@ async def test_each_answer_of_the_credential_route(
 ) -> None:
     user = {"issuer": idp.issuer, "subject": fresh_user("fetch")}
     limited = register(broker, fresh_name("only-github"), "--providers", "github")
-    async with httpx2.AsyncClient(
-        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
-    ) as http:
+    async with local_client(base_url=f"{broker.url}/api/v1", timeout=30) as http:
         refused(await fetch(http, "demo", user, api.secret), 404, "not_connected")
         await connect_demo(api, browser, user)
         fetched = await fetch(http, "demo", user, api.secret)
@@ -187,9 +186,7 @@ async def test_a_value_the_database_refuses_is_answered_before_any_statement(
     database error (503) nor an ERROR in the log."""
     logged_before = len(broker.log())
     user = {"issuer": idp.issuer, "subject": "kim\x00"}
-    async with httpx2.AsyncClient(
-        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
-    ) as http:
+    async with local_client(base_url=f"{broker.url}/api/v1", timeout=30) as http:
         refused(
             await fetch(http, "demo", user, "cbs_not-a-secret"), 401, "invalid_service_credentials"
         )
@@ -225,9 +222,7 @@ async def test_an_oauth_credential_carries_its_expiry(
             account_label="octo",
             expires_at=expires,
         )
-    async with httpx2.AsyncClient(
-        base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30
-    ) as http:
+    async with local_client(base_url=f"{broker.url}/api/v1", timeout=30) as http:
         fetched = await fetch(http, "github", user, api.secret)
 
     assert fetched.status_code == 200, fetched.text

@@ -35,6 +35,7 @@ from connect_broker_client import BrokerRefused, ConnectBroker, IdpTokenVerifier
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, cli
 from ..support.clients import Browser, flow_id_from, request_body, request_headers
+from ..support.http import local_client
 from ..support.idp import IdpProcess, free_port, generate_rsa_jwk, mint_token
 from ..support.schema import validate_response
 
@@ -165,7 +166,7 @@ class Sibling:
         if request_state is not None:
             params["requestState"] = request_state
         body = request_body("tools/call", params, capabilities=capabilities)
-        async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        async with local_client(timeout=30) as http:
             return await http.post(
                 f"{self.url}/mcp", json=body, headers=request_headers(body, token)
             )
@@ -194,9 +195,8 @@ def build_sibling(
     *,
     user_proof: bool = False,
 ) -> MCPServer[Any]:
-    recorded = httpx2.AsyncClient(
+    recorded = local_client(
         timeout=30,
-        trust_env=False,
         event_hooks={"request": [calls.on_request], "response": [calls.on_response]},
     )
     broker = ConnectBroker(broker_url, secret, http=recorded, user_proof=user_proof)
@@ -646,7 +646,7 @@ async def test_a_client_before_2026_gets_an_error_result_and_no_flow(
         "MCP-Protocol-Version": "2025-11-25",
     }
 
-    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+    async with local_client(timeout=30) as http:
         response = await http.post(f"{sibling.url}/mcp", json=body, headers=headers)
 
     assert response.status_code == 200

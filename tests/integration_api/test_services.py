@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows
 from ..support.broker import BrokerProcess, LogWindow, cli
+from ..support.http import local_client
 from ..support.idp import IdpProcess
 from .test_api import (
     Registered,
@@ -63,7 +64,7 @@ def listing(broker: BrokerProcess) -> dict[str, list[str]]:
 
 @pytest.fixture
 async def http(broker: BrokerProcess) -> Any:
-    client = httpx2.AsyncClient(base_url=f"{broker.url}/api/v1", trust_env=False, timeout=30)
+    client = local_client(base_url=f"{broker.url}/api/v1", timeout=30)
     yield client
     await client.aclose()
 

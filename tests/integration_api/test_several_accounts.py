@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx2
 import pytest
 
 from ..support.broker import BrokerProcess
 from ..support.clients import Browser, flow_id_from
 from ..support.fake_github import FakeGitHub
+from ..support.http import local_client
 from ..support.idp import IdpProcess
 from .test_api import (
     Registered,
@@ -67,7 +67,7 @@ async def connect_github(
 
 async def login_of(github: FakeGitHub, secret: str) -> str:
     """Who the access token belongs to, as the fake GitHub says."""
-    async with httpx2.AsyncClient(trust_env=False) as http:
+    async with local_client() as http:
         answer = await http.get(f"{github.url}/user", headers={"Authorization": f"Bearer {secret}"})
     login: str = answer.json()["login"]
     return login

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx2
 import pytest
 
 from ..support.broker import BrokerProcess, cli
 from ..support.clients import URL_CAPS, Browser
+from ..support.http import local_client
 
 pytestmark = pytest.mark.both_databases
 
@@ -25,9 +25,8 @@ async def test_sibling_gets_an_elicitation_then_the_credential(
 ) -> None:
     secret = create_service(broker, "smoke-sibling")
     user = {"issuer": idp.issuer, "subject": "api-smoke"}
-    api = httpx2.AsyncClient(
+    api = local_client(
         base_url=f"{broker.url}/api/v1",
-        trust_env=False,
         headers={"Authorization": f"Bearer {secret}"},
     )
     body = {
@@ -77,9 +76,8 @@ async def test_many_concurrent_credential_fetches_all_succeed(
     concurrent requests than the pool has connections still all succeed."""
     secret = create_service(broker, "smoke-concurrent")
     user = {"issuer": idp.issuer, "subject": "api-concurrent"}
-    api = httpx2.AsyncClient(
+    api = local_client(
         base_url=f"{broker.url}/api/v1",
-        trust_env=False,
         timeout=30,
         headers={"Authorization": f"Bearer {secret}"},
     )

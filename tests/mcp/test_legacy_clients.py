@@ -19,6 +19,7 @@ from mcp.shared.exceptions import MCPError
 
 from ..support.broker import BrokerProcess
 from ..support.clients import McpHttp, request_body
+from ..support.http import local_client
 from ..support.schema import validate, validate_response
 
 SUPPORTED = ["2026-07-28"]
@@ -166,9 +167,7 @@ async def test_L12_official_client_in_legacy_mode_shows_which_version_the_server
     broker: BrokerProcess, token_for: Any
 ) -> None:
     """The `mcp` SDK's handshake mode (`mode="legacy"`) surfaces the words and the versions."""
-    http = httpx2.AsyncClient(
-        headers={"Authorization": f"Bearer {token_for('legacy-sdk')}"}, trust_env=False
-    )
+    http = local_client(headers={"Authorization": f"Bearer {token_for('legacy-sdk')}"})
 
     async def connect() -> None:
         transport = streamable_http_client(broker.mcp_url, http_client=http)

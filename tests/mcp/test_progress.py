@@ -30,6 +30,7 @@ from app.mcp.registry import ToolCall, ToolRegistry, ToolResult
 
 from ..support.broker import BrokerConfig, cli, drop_database, fresh_database
 from ..support.clients import CLIENT_LIMITS, request_body, request_headers
+from ..support.http import local_client
 from ..support.idp import IdpProcess, free_port, mint_token
 from ..support.schema import validate, validate_response
 
@@ -126,7 +127,7 @@ async def served(config: tuple[BrokerConfig, Path], idp: IdpProcess) -> AsyncIte
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(timeout=30, trust_env=False, limits=CLIENT_LIMITS) as client:
+    async with local_client(timeout=30, limits=CLIENT_LIMITS) as client:
         yield client
 
 
@@ -281,7 +282,7 @@ async def test_L15_the_official_client_receives_progress_through_its_callback(
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         seen.append((progress, total, message))
 
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {served.token}"}, trust_env=False)
+    http = local_client(headers={"Authorization": f"Bearer {served.token}"})
     async with http, Client(streamable_http_client(served.mcp_url, http_client=http)) as client:
         result = await client.call_tool("steps", {}, progress_callback=on_progress)
 

@@ -29,6 +29,7 @@ from ..conftest import DEMO_PROVIDER, count_rows, flow_row, github_provider
 from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub, TokenFault
+from ..support.http import local_client
 from ..support.idp import IdpProcess, free_port, mint_token
 from ..support.stack import running_stack
 from .flows import (
@@ -157,7 +158,7 @@ async def test_f5_code_refused_in_a_200_body_fails_the_exchange(
     `bad_verification_code`: the broker reads the body, not just the status."""
     user = fresh_user("f5")
     flow_id, callback_url = await at_callback(mcp, browser, token_for(user), user)
-    async with httpx2.AsyncClient(trust_env=False) as http:  # someone spends the code first
+    async with local_client() as http:  # someone spends the code first
         spent = await http.post(
             fake_github.token_url,
             data={

@@ -23,6 +23,7 @@ from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, LogWindow, database_kind, serve_replica
 from ..support.clients import Browser, McpHttp
 from ..support.fake_github import FakeGitHub
+from ..support.http import local_client
 from ..support.schema import validate_response
 from .flows import (
     authorize,
@@ -54,7 +55,7 @@ def _fresh_fake(fake_github: FakeGitHub) -> Iterator[None]:
 
 async def at_fake(fake: FakeGitHub, method: str, path: str, **kwargs: Any) -> httpx2.Response:
     """A request straight to the fake, to see what it thinks of a token."""
-    async with httpx2.AsyncClient(trust_env=False, timeout=10) as http:
+    async with local_client(timeout=10) as http:
         return await http.request(method, f"{fake.url}{path}", **kwargs)
 
 

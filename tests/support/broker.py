@@ -28,6 +28,7 @@ import httpx2
 from app.crypto import generate_key
 from app.migrate import upgrade
 
+from .http import local_get
 from .idp import free_port
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -213,7 +214,7 @@ class BrokerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"broker exited: {self.log()}")
             with contextlib.suppress(httpx2.HTTPError):
-                if httpx2.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if local_get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
         self.stop()

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx2
 
+from .http import local_client
 from .idp import idp_login
 
 PROTOCOL_VERSION = "2026-07-28"
@@ -69,7 +70,7 @@ class McpHttp:
 
     def __init__(self, mcp_url: str) -> None:
         self.mcp_url = mcp_url
-        self.http = httpx2.AsyncClient(timeout=60, trust_env=False, limits=CLIENT_LIMITS)
+        self.http = local_client(timeout=60, limits=CLIENT_LIMITS)
 
     async def post(
         self,
@@ -124,9 +125,7 @@ class Browser:
     def __init__(self, broker_url: str) -> None:
         self.broker_url = broker_url
         self.cookies: dict[str, str] = {}
-        self.http = httpx2.AsyncClient(
-            timeout=30, trust_env=False, follow_redirects=False, limits=CLIENT_LIMITS
-        )
+        self.http = local_client(timeout=30, follow_redirects=False, limits=CLIENT_LIMITS)
 
     def _absorb(self, response: httpx2.Response) -> httpx2.Response:
         for header in response.headers.get_list("set-cookie"):

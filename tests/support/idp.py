@@ -31,6 +31,8 @@ import httpx2
 from joserfc import jws
 from joserfc.jwk import RSAKey
 
+from .http import local_client
+
 __all__ = [
     "IDP_DIR",
     "IDP_SERVER",
@@ -512,7 +514,7 @@ async def discover(issuer: str, client: httpx2.AsyncClient | None = None) -> dic
     """The IdP's OpenID discovery document."""
     url = f"{issuer.rstrip('/')}/.well-known/openid-configuration"
     if client is None:
-        async with httpx2.AsyncClient(trust_env=False, timeout=10.0) as own:
+        async with local_client(timeout=10.0) as own:
             resp = await own.get(url)
     else:
         resp = await client.get(url)
@@ -589,7 +591,7 @@ async def obtain_tokens(
     The code is taken from the redirect's Location; redirect_uri is never requested.
     """
     if http is None:
-        async with httpx2.AsyncClient(trust_env=False, timeout=10.0) as own:
+        async with local_client(timeout=10.0) as own:
             return await obtain_tokens(
                 issuer,
                 user=user,

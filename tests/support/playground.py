@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from .clients import Browser
+from .http import local_get
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 START_TIMEOUT = 30
@@ -55,7 +56,7 @@ def running_dev(cwd: Path, port: int, *args: str) -> Iterator[tuple[str, Path]]:
             deadline = time.monotonic() + START_TIMEOUT
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx2.HTTPError):
-                    if httpx2.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    if local_get(f"{url}/healthz", timeout=1).status_code == 200:
                         break
                 if process.poll() is not None:
                     raise RuntimeError(log_path.read_text())

@@ -13,6 +13,7 @@ import httpx2
 import pytest
 
 from .fake_github import METADATA_URL, FakeGitHub
+from .http import local_client
 from .idp import pkce_pair
 
 CALLBACK = "http://127.0.0.1:9/oauth/github/callback"
@@ -28,7 +29,7 @@ def fake() -> Iterator[FakeGitHub]:
 @pytest.fixture
 async def gh(fake: FakeGitHub) -> AsyncIterator[httpx2.AsyncClient]:
     fake.reset()
-    async with httpx2.AsyncClient(base_url=fake.url, timeout=5.0) as client:
+    async with local_client(base_url=fake.url, timeout=5.0) as client:
         yield client
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-import httpx2
 import pytest
 from joserfc import jwt
 from joserfc.jwk import KeySet
 
+from .http import local_client
 from .idp import (
     IdpConfig,
     IdpError,
@@ -75,7 +75,7 @@ def pairwise_idp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdpProces
 
 
 async def _jwks(issuer: str) -> KeySet:
-    async with httpx2.AsyncClient(trust_env=False) as client:
+    async with local_client() as client:
         resp = await client.get(f"{issuer}/jwks")
         resp.raise_for_status()
         return KeySet.import_key_set(resp.json())
@@ -181,7 +181,7 @@ async def test_login_without_resource_gets_id_token_and_opaque_access_token(
     assert id_claims["name"] == "alice"
     assert id_claims["oid"] == "oid-alice"
     assert id_claims["nonce"]
-    async with httpx2.AsyncClient(trust_env=False) as client:
+    async with local_client() as client:
         userinfo = await client.get(
             f"{idp.issuer}/me", headers={"Authorization": f"Bearer {tokens['access_token']}"}
         )
@@ -199,7 +199,7 @@ async def test_refresh_token_yields_new_resource_jwt(idp: IdpProcess) -> None:
         redirect_uri=REDIRECT_URI,
         resource=RESOURCE,
     )
-    async with httpx2.AsyncClient(trust_env=False) as client:
+    async with local_client() as client:
         resp = await client.post(
             f"{idp.issuer}/token",
             data={
@@ -225,7 +225,7 @@ async def test_prompt_login_replaces_session_user(idp: IdpProcess) -> None:
         "resource": None,
         "scope": "openid",
     }
-    async with httpx2.AsyncClient(trust_env=False) as browser:
+    async with local_client() as browser:
         first = await obtain_tokens(idp.issuer, user="erin", http=browser, **common)
         second = await obtain_tokens(
             idp.issuer, user="frank", http=browser, extra_params={"prompt": "login"}, **common
@@ -257,7 +257,7 @@ async def test_public_client_requires_pkce(idp: IdpProcess) -> None:
         "resource": RESOURCE,
         "state": "s",
     }
-    async with httpx2.AsyncClient(trust_env=False) as client:
+    async with local_client() as client:
         resp = await client.get(f"{idp.issuer}/auth?{urlencode(params)}")
     assert resp.is_redirect
     query = parse_qs(urlsplit(resp.headers["location"]).query)
@@ -276,7 +276,7 @@ async def test_idp_login_returns_redirect_to_relying_party(idp: IdpProcess) -> N
         "code_challenge": challenge,
         "code_challenge_method": "S256",
     }
-    async with httpx2.AsyncClient(trust_env=False) as client:
+    async with local_client() as client:
         client.cookies.set("rp_session", "keep-me", domain="127.0.0.1")
         resp = await idp_login(client, f"{idp.issuer}/auth?{urlencode(params)}", user="dave")
         assert resp.is_redirect
@@ -314,7 +314,7 @@ async def test_two_instances_with_distinct_cookie_prefixes(
     idp: IdpProcess, pairwise_idp: IdpProcess
 ) -> None:
     assert idp.port != pairwise_idp.port
-    async with httpx2.AsyncClient(trust_env=False) as browser:
+    async with local_client() as browser:
         common: dict[str, Any] = {
             "client_id": "broker-login",
             "client_secret": "s3cret",
