@@ -80,9 +80,14 @@ part() {  # part NAME COMMAND...: run in the background, output to $logs/NAME.lo
   names+=("$name")
 }
 
+# mypy keeps its cache outside the checkout, so a fresh clone on a machine that ran the suite before
+# checks only what changed (it compares the files' hashes, not their paths or times): about 17 s of
+# CPU for the whole tree, under a second after.
+MYPY_CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/connect-broker/mypy"
+
 lint() {
   ruff check . && ruff format --check . &&
-    mypy --strict app connect_broker_client tests bench examples migrations &&
+    mypy --strict --cache-dir "$MYPY_CACHE" app connect_broker_client tests bench examples migrations &&
     lint-imports
 }
 
