@@ -69,8 +69,6 @@ def _service_usage_error(argument: str, message: str) -> int:
 def service_create(args: argparse.Namespace) -> int:
     import re
 
-    from app.crypto import Keyring
-    from app.integration_api import services
     from app.models import BROKER_AUDIENCE
 
     if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == BROKER_AUDIENCE:
@@ -87,14 +85,8 @@ def service_create(args: argparse.Namespace) -> int:
         return _service_usage_error(
             "--providers", f"unknown provider {unknown[0]!r:.80} (configured: {known})"
         )
-    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
     try:
-        secret = with_session(
-            settings,
-            lambda session: services.create(
-                session, keys=keys, name=args.name, providers=providers
-            ),
-        )
+        secret = create_service(settings, args.name, providers)
     except Exception as exc:  # a duplicate name violates the unique constraint
         if "unique" in str(exc).lower() or "duplicate" in str(exc).lower():
             print(f"a service named {args.name!r} already exists", file=sys.stderr)
@@ -106,6 +98,20 @@ def service_create(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def create_service(settings: Settings, name: str, providers: tuple[str, ...]) -> str:
+    """Register service `name` (checked by the caller) and return its secret."""
+    from app.crypto import Keyring
+    from app.integration_api import services
+
+    keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.signing))
+    return str(
+        with_session(
+            settings,
+            lambda session: services.create(session, keys=keys, name=name, providers=providers),
+        )
+    )
 
 
 def service_list(args: argparse.Namespace) -> int:

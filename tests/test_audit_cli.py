@@ -110,7 +110,7 @@ async def test_creating_and_revoking_a_service_and_rotating_keys_are_operator_ev
     broker: BrokerProcess, db: AsyncEngine
 ) -> None:
     name = fresh_name("audit-svc")
-    service = register(broker, name, "--providers", "demo,github")
+    service = register(broker, name, ("demo", "github"))
     revoked = cli("service", "revoke", name, config_path=broker.config_path)
     again = cli("service", "revoke", name, config_path=broker.config_path)  # nothing to revoke
     since = utcnow()

@@ -33,7 +33,7 @@ from app.integration_api.broker import METHOD
 from app.models import Flow
 
 from ..conftest import count_rows, flow_row
-from ..support.broker import BrokerProcess, LogWindow, cli
+from ..support.broker import BrokerProcess, LogWindow, create_service
 from ..support.clients import URL_CAPS, Browser
 from ..support.fake_github import FakeGitHub
 from ..support.http import local_client, local_get
@@ -71,11 +71,9 @@ class Registered:
     secret: str
 
 
-def register(broker: BrokerProcess, name: str, *args: str) -> Registered:
-    """`connect-broker service create NAME [args]` against this broker's config and DB."""
-    result = cli("service", "create", name, *args, config_path=broker.config_path)
-    assert result.returncode == 0, result.stderr
-    return Registered(name, result.stdout.strip())
+def register(broker: BrokerProcess, name: str, providers: tuple[str, ...] = ()) -> Registered:
+    """A service of this broker, registered as `connect-broker service create` registers one."""
+    return Registered(name, create_service(broker, name, providers))
 
 
 def require_body(user: dict[str, str], **overrides: Any) -> dict[str, Any]:

@@ -142,7 +142,7 @@ async def test_each_answer_of_the_credential_route(
     broker: BrokerProcess, api: ServiceApi, browser: Browser, idp: IdpProcess
 ) -> None:
     user = {"issuer": idp.issuer, "subject": fresh_user("fetch")}
-    limited = register(broker, fresh_name("only-github"), "--providers", "github")
+    limited = register(broker, fresh_name("only-github"), ("github",))
     async with local_client(base_url=f"{broker.url}/api/v1", timeout=30) as http:
         refused(await fetch(http, "demo", user, api.secret), 404, "not_connected")
         await connect_demo(api, browser, user)

@@ -124,7 +124,7 @@ async def test_two_services_get_different_secrets(broker: BrokerProcess, db: Asy
 async def test_service_list_shows_name_providers_and_state(broker: BrokerProcess) -> None:
     """One line per service: name, its providers ("*" for all), and active or revoked <date>."""
     restricted, everything = fresh_name("list-some"), fresh_name("list-all")
-    register(broker, restricted, "--providers", "demo,github")
+    register(broker, restricted, ("demo", "github"))
     register(broker, everything)
     revoked = cli("service", "revoke", everything, config_path=broker.config_path)
     today = datetime.now(UTC).strftime("%Y-%m-%d")
@@ -308,9 +308,7 @@ async def test_k1_service_registered_for_some_providers_is_refused_the_others(
 ) -> None:
     """K1. `--providers demo` confines the secret: every operation on another configured provider
     is 403 `provider_not_allowed` and starts nothing; demo works."""
-    api = ServiceApi(
-        broker.url, register(broker, fresh_name("k1-only-demo"), "--providers", "demo")
-    )
+    api = ServiceApi(broker.url, register(broker, fresh_name("k1-only-demo"), ("demo",)))
     user = {"issuer": idp.issuer, "subject": fresh_user("k1-restricted")}
     try:
         refused = [

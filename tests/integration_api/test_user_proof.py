@@ -90,8 +90,8 @@ def proof_stack(workdir: Path, name: str, **options: Any) -> Iterator[ProofStack
         services={PROOFED: {"user_proof": "token", "token_audience": audience}},
         **options,
     ) as stack:
-        proofed = register(stack.broker, PROOFED, "--providers", "demo")
-        plain = register(stack.broker, PLAIN, "--providers", "demo")
+        proofed = register(stack.broker, PROOFED, ("demo",))
+        plain = register(stack.broker, PLAIN, ("demo",))
         yield ProofStack(stack, sibling_port, proofed, plain)
 
 

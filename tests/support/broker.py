@@ -21,15 +21,19 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
 
+from app import admin_commands
+from app.config import load_serve_settings
 from app.crypto import generate_key
 from app.migrate import upgrade
 
 from .http import local_get
 from .idp import free_port
+
+T = TypeVar("T")
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 START_TIMEOUT = 30.0
@@ -37,13 +41,18 @@ START_TIMEOUT = 30.0
 
 def run_sync(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run a coroutine to completion, also from code that is itself inside an event loop."""
+    in_thread(lambda: asyncio.run(make()))
+
+
+def in_thread(work: Callable[[], T]) -> T:
+    """`work()`, on a thread of its own when this thread runs an event loop (work that runs its
+    own loop, such as a CLI command's, cannot run on a thread that has one)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        asyncio.run(make())
-        return
+        return work()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(lambda: asyncio.run(make())).result()
+        return pool.submit(work).result()
 
 
 def database_kind() -> str:
@@ -275,8 +284,15 @@ def cli(
 def migrate(database_url: str) -> None:
     """What `connect-broker migrate` does, in a thread of this process (it runs its own event
     loop): one Python start less for every broker a test starts."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(upgrade, database_url).result()
+    in_thread(lambda: upgrade(database_url))
+
+
+def create_service(broker: BrokerProcess, name: str, providers: tuple[str, ...] = ()) -> str:
+    """What `connect-broker service create NAME --providers …` does, in this process (one Python
+    start less per service): the service's secret. The command itself, its arguments and output,
+    is tested in tests/integration_api/test_services.py."""
+    settings = load_serve_settings(str(broker.config_path))
+    return in_thread(lambda: admin_commands.create_service(settings, name, providers))
 
 
 def start_broker(
