@@ -16,10 +16,8 @@ A budget of 0 turns that limit off. The buckets live in each process: with N pro
 from __future__ import annotations
 
 import functools
-import hashlib
 import ipaddress
 import math
-import secrets
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -141,25 +139,17 @@ class RateLimits:
     ) -> None:
         self.users = TokenBuckets(user_requests_per_minute, user_burst, clock=clock)
         self.failed_auths = TokenBuckets(failed_auths_per_minute, failed_auth_burst, clock=clock)
-        self._known_secrets: set[bytes] = set()
-        # keyed once (digests mean nothing outside this process), copied for each digest: keying
-        # costs as much as the digest of a secret, and every verified request takes one
-        self._keyed = hashlib.blake2b(digest_size=16, key=secrets.token_bytes(32))
+        self._known_secrets: set[str] = set()
 
-    def _digest(self, secret: str) -> bytes:
-        digest = self._keyed.copy()
-        digest.update(secret.encode())
-        return digest.digest()
-
-    def remember_secret(self, secret: str) -> None:
-        """A service secret this process verified: a lockout of its address does not stop it.
-        Only a keyed 16-byte digest is kept, never the secret."""
+    def remember_secret(self, digest: str) -> None:
+        """A service secret this process verified, by its keyed digest (the one the services
+        table holds, never the secret): a lockout of its address does not stop it."""
         if len(self._known_secrets) >= MAX_KNOWN_SECRETS:
             self._known_secrets.clear()
-        self._known_secrets.add(self._digest(secret))
+        self._known_secrets.add(digest)
 
-    def known_secret(self, secret: str) -> bool:
-        return self._digest(secret) in self._known_secrets
+    def known_secret(self, digest: str) -> bool:
+        return digest in self._known_secrets
 
     def failed_auth(self, address: str) -> bool:
         """Count a wrong credential from `address`: True if that spent its budget."""

@@ -26,12 +26,12 @@ class SecurityLog:
         logger.warning("%s %s", name, details)
         self.metrics.security_event(name)
 
-    def failed_auth_wait(self, address: str, secret: str | None = None) -> float:
+    def failed_auth_wait(self, address: str, secret_digest: str | None = None) -> float:
         """Seconds until `address` may present a new credential (0.0: now; at once for a service
-        `secret` this process has verified before); a request refused for it is counted in the
-        metrics."""
+        secret this process has verified before, given by its digest); a request refused for it
+        is counted in the metrics."""
         wait = self.limits.failed_auths.wait(address)
-        if wait and secret is not None and self.limits.known_secret(secret):
+        if wait and secret_digest is not None and self.limits.known_secret(secret_digest):
             return 0.0
         if wait:
             self.metrics.refused("failed_auths")

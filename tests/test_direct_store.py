@@ -287,13 +287,13 @@ async def test_a_live_service_is_found_by_its_digest_and_a_revoked_one_is_not(
     async with database.sessions.begin() as session:
         secret = await services.create(session, keys=KEYS, name="svc", providers=("github",))
 
-    found = await services.authenticate(database.store, keys=KEYS, secret=secret)
+    found = await services.authenticate(database.store, services.digests(KEYS, secret))
     assert found == services.Service(name="svc", providers=frozenset({"github"}))
-    assert await services.authenticate(database.store, keys=KEYS, secret=secret + "x") is None
+    assert await services.authenticate(database.store, services.digests(KEYS, secret + "x")) is None
 
     async with database.sessions.begin() as session:
         assert await services.revoke(session, name="svc")
-    assert await services.authenticate(database.store, keys=KEYS, secret=secret) is None
+    assert await services.authenticate(database.store, services.digests(KEYS, secret)) is None
 
 
 async def test_a_service_is_read_with_its_own_connection_only(database: Database) -> None:
@@ -329,7 +329,7 @@ async def test_a_service_is_read_with_its_own_connection_only(database: Database
         secret: str, principal: Principal, provider: str = "demo"
     ) -> Awaitable[tuple[services.Service, ConnectionRecord | None] | None]:
         return services.authenticate_with_own_connection(
-            database.store, keys=KEYS, secret=secret, principal=principal, provider=provider
+            database.store, services.digests(KEYS, secret), principal=principal, provider=provider
         )
 
     found = await read(secret, alice)
@@ -415,8 +415,7 @@ async def test_concurrent_reads_each_get_their_own_row(database: Database) -> No
     ) -> Awaitable[tuple[services.Service, ConnectionRecord | None] | None]:
         return services.authenticate_with_own_connection(
             database.store,
-            keys=KEYS,
-            secret=secret,
+            services.digests(KEYS, secret),
             principal=Principal(ISSUER, subject),
             provider="demo",
         )
@@ -474,8 +473,7 @@ async def test_a_value_the_database_refuses_fails_only_its_own_call(database: Da
         *(
             services.authenticate_with_own_connection(
                 database.store,
-                keys=KEYS,
-                secret=secret,
+                services.digests(KEYS, secret),
                 principal=Principal(ISSUER, subject),
                 provider="demo",
             )

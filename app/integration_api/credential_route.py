@@ -173,25 +173,20 @@ class CredentialFetch:
         if scheme.lower() != "bearer" or not secret:
             raise InvalidServiceCredentials()
         address = client_key(scope.get("client"))
-        secrets.refuse_spent_address(address, secret)
+        digests = secrets.digests(secret)
+        secrets.refuse_spent_address(address, digests)
         try:
             issuer, subject, account = read_query(scope["query_string"])
         except RequestValidationError:  # only the secret's holder learns what the query lacks
-            service = await services.authenticate(
-                secrets.store, keys=secrets.signing, secret=secret
-            )
-            secrets.verified(address, secret, service)
+            service = await services.authenticate(secrets.store, digests)
+            secrets.verified(address, digests, service)
             raise
         provider: str = scope["path_params"]["provider"]
         principal = Principal(issuer, subject)
         found = await services.authenticate_with_own_connection(
-            secrets.store,
-            keys=secrets.signing,
-            secret=secret,
-            principal=principal,
-            provider=provider,
+            secrets.store, digests, principal=principal, provider=provider
         )
-        service, own = secrets.verified(address, secret, found)
+        service, own = secrets.verified(address, digests, found)
         if self.proofs.required(service.name):  # the named user is not read for it
             raise UserProofRequired()
         usable = await credential_for(

@@ -186,21 +186,24 @@ class ServiceSecrets:
     security: SecurityLog  # wrong secrets, counted per address
     limits: RateLimits  # secrets verified before, let through a spent address
 
-    def refuse_spent_address(self, address: str, secret: str) -> None:
+    def digests(self, secret: str) -> list[str]:
+        return services.digests(self.signing, secret)
+
+    def refuse_spent_address(self, address: str, digests: list[str]) -> None:
         """429 for an address that has spent its budget of failed authentications: its secret
         is not looked up, unless this process has verified that secret before
         (app/limits.py)."""
-        wait = self.security.failed_auth_wait(address, secret)
+        wait = self.security.failed_auth_wait(address, digests[0] if digests else None)
         if wait:
             raise TooManyFailedAuthentications(wait)
 
-    def verified(self, address: str, secret: str, found: T | None) -> T:
-        """What the secret's lookup found; a secret that found nothing counts against
-        `address`."""
+    def verified(self, address: str, digests: list[str], found: T | None) -> T:
+        """What the lookup of a secret (by its `digests`) found; a secret that found nothing
+        counts against `address`."""
         if found is None:
             self.security.note_failed_authentication(address)
             raise InvalidServiceCredentials()
-        self.limits.remember_secret(secret)
+        self.limits.remember_secret(digests[0])  # there is one: the digests found a service
         return found
 
 
@@ -212,11 +215,10 @@ async def authenticate_service(request: Request) -> Service:
     if presented is None:
         raise InvalidServiceCredentials()
     address = client_key(request.scope.get("client"))
-    secrets.refuse_spent_address(address, presented.credentials)
-    service = await services.authenticate(
-        secrets.store, keys=secrets.signing, secret=presented.credentials
-    )
-    return secrets.verified(address, presented.credentials, service)
+    digests = secrets.digests(presented.credentials)
+    secrets.refuse_spent_address(address, digests)
+    service = await services.authenticate(secrets.store, digests)
+    return secrets.verified(address, digests, service)
 
 
 CallingService = Annotated[Service, Depends(calling_service)]

@@ -34,6 +34,14 @@ class Service:
         return not self.providers or provider in self.providers
 
 
+def digests(keys: Keyring, secret: str) -> list[str]:
+    """The keyed digests of a presented bearer secret under each signing key, the current key's
+    first; none for a value that cannot be a secret of ours. They find the service's row, and
+    the first is what this process remembers of a secret it verified (app/limits.py), so memory
+    holds nothing the table does not."""
+    return _digests(keys, secret) if _well_formed(secret) else []
+
+
 def _digests(keys: Keyring, secret: str) -> list[str]:
     return [hmac_digest(key, secret) for key in keys.derive("digest:service-secret")]
 
@@ -68,24 +76,24 @@ def _service(row: ServiceRecord) -> Service:
     return Service(name=row.name, providers=frozenset(row.providers.split()))
 
 
-async def authenticate(store: DirectStore, *, keys: Keyring, secret: str) -> Service | None:
-    """The live service holding `secret`, or None."""
-    if not _well_formed(secret):
+async def authenticate(store: DirectStore, digests: list[str]) -> Service | None:
+    """The live service whose secret has these `digests`, or None."""
+    if not digests:
         return None
-    row = await store.find_service(_digests(keys, secret))
+    row = await store.find_service(digests)
     return _service(row) if row is not None else None
 
 
 async def authenticate_with_own_connection(
-    store: DirectStore, *, keys: Keyring, secret: str, principal: Principal, provider: str
+    store: DirectStore, digests: list[str], *, principal: Principal, provider: str
 ) -> tuple[Service, ConnectionRecord | None] | None:
     """`authenticate`, and the connection the service made for the user and provider, if any,
     read in the same statement (the credential fetch's one round trip). Only read: whether the
     service may use the provider, and for which user, is still the caller's to check."""
-    if not _well_formed(secret):
+    if not digests:
         return None
     found = await store.find_service_and_own_connection(
-        _digests(keys, secret), principal.issuer, principal.subject, provider
+        digests, principal.issuer, principal.subject, provider
     )
     if found is None:
         return None
