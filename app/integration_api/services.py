@@ -39,10 +39,8 @@ def digests(keys: Keyring, secret: str) -> list[str]:
     first; none for a value that cannot be a secret of ours. They find the service's row, and
     the first is what this process remembers of a secret it verified (app/limits.py), so memory
     holds nothing the table does not."""
-    return _digests(keys, secret) if _well_formed(secret) else []
-
-
-def _digests(keys: Keyring, secret: str) -> list[str]:
+    if not _well_formed(secret):
+        return []
     return [hmac_digest(key, secret) for key in keys.derive("digest:service-secret")]
 
 
@@ -56,7 +54,7 @@ async def create(
 ) -> str:
     """Register a service and return its secret (shown once, never stored)."""
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-    digest = _digests(keys, secret)[0]
+    digest = digests(keys, secret)[0]
     await session.execute(services_table.add(name, digest, " ".join(providers), utcnow()))
     await audit.record(
         session, "service.created", actor=actor, audience=name, detail=_providers(providers)
