@@ -136,9 +136,9 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
     )
     provider_issuers = ProviderIssuers(http)
     notifier: FlowNotifier = (
-        FlowNotifier(poll_interval=0.25)
+        FlowNotifier(poll_interval=0.25, still_open=store.still_open)
         if is_sqlite(settings.database.url)
-        else PostgresFlowNotifier(settings.database.connect_url())
+        else PostgresFlowNotifier(settings.database.connect_url(), still_open=store.still_open)
     )
     limits = RateLimits.from_settings(settings.limits)
     metrics = BrokerMetrics()

@@ -38,10 +38,10 @@ from app.direct import (
 )
 from app.direct import postgres as postgres_store
 from app.direct import sqlite as sqlite_store
-from app.direct.records import insert_values
+from app.direct.records import OPEN_CHECK_CHUNK, insert_values
 from app.integration_api import services
 from app.migrate import upgrade
-from app.models import Flow, FlowStatus
+from app.models import OPEN_FLOW_STATUSES, Flow, FlowStatus
 
 from .support.broker import database_kind, drop_database, fresh_database
 
@@ -212,6 +212,35 @@ async def test_a_flow_is_not_read_for_another_principal_or_a_bad_id(database: Da
     assert await flows.read_for(database.store, flow_id=created.id, principal=other_issuer) is None
     assert await flows.read_for(database.store, flow_id="x" * 65, principal=bob) is None
     assert await flows.read_for(database.store, flow_id="", principal=bob) is None
+
+
+async def test_still_open_names_the_open_flows_among_any_number_of_ids(
+    database: Database,
+) -> None:
+    opened = {
+        status: (await start_flow(database.store, f"still-{status}")).id for status in FlowStatus
+    }
+    past_expiry = (await start_flow(database.store, "still-expired-pending", ttl_seconds=1)).id
+    async with database.sessions.begin() as session:
+        for status, flow_id in opened.items():
+            await session.execute(update(Flow).where(Flow.id == flow_id).values(status=status))
+        await session.execute(
+            update(Flow)
+            .where(Flow.id == past_expiry)
+            .values(expires_at=utcnow() - timedelta(seconds=1))
+        )
+    unknown = [f"unknown-{n}" for n in range(2 * OPEN_CHECK_CHUNK + 1)]  # three statements
+    asked = [
+        *unknown[:OPEN_CHECK_CHUNK],
+        *opened.values(),
+        past_expiry,
+        *unknown[OPEN_CHECK_CHUNK:],
+    ]
+
+    found = await database.store.still_open(asked)
+
+    assert found == {opened[status] for status in OPEN_FLOW_STATUSES}
+    assert await database.store.still_open([]) == set()
 
 
 async def test_the_open_flow_cap_counts_every_open_status_and_only_unexpired_flows(

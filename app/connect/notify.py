@@ -1,10 +1,12 @@
 """Wake MCP retries waiting for a flow, whichever process finished it.
 
-On PostgreSQL the finishing transaction runs `pg_notify('broker_flows', <flow id>)`, delivered at
-commit to every replica; each process keeps one dedicated LISTEN connection (outside the pool) and
-sets the local events of its waiters. Waiters also re-check the database at a slow interval, so a
-dropped listener costs latency, never correctness. On SQLite (one process) waiters poll quickly.
-No waiter holds a pooled connection or a transaction while it waits.
+A flow finished in this process wakes its waiters at once (`wake`). On PostgreSQL the finishing
+transaction also runs `pg_notify('broker_flows', <flow id>)`, delivered at commit to every
+replica; each process keeps one dedicated LISTEN connection (outside the pool) and sets the local
+events of its waiters. For what no notification reports (another process on SQLite, a dropped
+listener on PostgreSQL), each process checks every flow its retries wait for at each
+`poll_interval`, in one statement for all of them: a waiter costs nothing while it waits, however
+many wait. No waiter holds a pooled connection or a transaction.
 """
 
 from __future__ import annotations
@@ -13,24 +15,36 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.direct import StoreUnavailable
+from app.errors import DATABASE_ERRORS
+
 logger = logging.getLogger("broker.flows")
 
 CHANNEL = "broker_flows"
 
 
-class FlowNotifier:
-    """In-process fan-out of "flow X changed" to waiters, plus an optional cross-process feed."""
+# Which of the given flow ids are still open (the direct store's `still_open`).
+StillOpen = Callable[[list[str]], Awaitable[set[str]]]
 
-    def __init__(self, *, poll_interval: float) -> None:
+
+class FlowNotifier:
+    """In-process fan-out of "flow X changed" to waiters, plus an optional cross-process feed.
+
+    `still_open`: the check of the waited-for flows run every `poll_interval` once started (none:
+    only `wake` and the feed end a wait early)."""
+
+    def __init__(self, *, poll_interval: float, still_open: StillOpen | None = None) -> None:
         self.poll_interval = poll_interval
+        self._still_open = still_open
         self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self._poller: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
     def subscribe(self, flow_id: str) -> Iterator[asyncio.Event]:
@@ -55,15 +69,49 @@ class FlowNotifier:
         self.wake(flow_id)
 
     async def start(self) -> None:
-        return None
+        if self._still_open is not None:
+            self._poller = asyncio.create_task(self._poll_forever(self._still_open))
 
     async def stop(self) -> None:
-        return None
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    async def _poll_forever(self, still_open: StillOpen) -> None:
+        """Wake the waiters of every waited-for flow that is no longer open. When the database
+        does not answer, waiters end at their deadline, as without the poll."""
+        failing = False  # logged once when the checks start failing, once when they recover
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            waited = list(self._waiters)
+            if not waited:
+                continue
+            try:
+                open_now = await still_open(waited)
+            except (*DATABASE_ERRORS, StoreUnavailable) as exc:
+                if not failing:
+                    logger.warning("flows.check_failed error=%s", type(exc).__name__)
+                failing = True
+                continue
+            if failing:
+                logger.info("flows.check_recovered")
+                failing = False
+            for flow_id in waited:
+                if flow_id not in open_now:
+                    self.wake(flow_id)
 
 
 class PostgresFlowNotifier(FlowNotifier):
-    def __init__(self, database_url: str, *, poll_interval: float = 2.0) -> None:
-        super().__init__(poll_interval=poll_interval)
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        poll_interval: float = 2.0,
+        still_open: StillOpen | None = None,
+    ) -> None:
+        super().__init__(poll_interval=poll_interval, still_open=still_open)
         url = make_url(database_url)
         self._connect_args: dict[str, Any] = {
             "host": url.host or "localhost",
@@ -81,6 +129,7 @@ class PostgresFlowNotifier(FlowNotifier):
         )
 
     async def start(self) -> None:
+        await super().start()
         self._task = asyncio.create_task(self._listen_forever())
 
     async def stop(self) -> None:
@@ -88,6 +137,7 @@ class PostgresFlowNotifier(FlowNotifier):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await super().stop()
 
     async def _listen_forever(self) -> None:
         import asyncpg

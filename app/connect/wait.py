@@ -38,4 +38,4 @@ async def wait_for_flow(
             if read is None or not read.flow.is_open or remaining <= 0:
                 return read
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, notifier.poll_interval))
+                await asyncio.wait_for(changed.wait(), remaining)

@@ -11,6 +11,8 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
     get_flow_and_connection
                      a flow by id, with its owner's connection for its provider (MCP retries,
                      the integration API's resume, and the bounded wait)
+    still_open       which of the flows the process's waiting retries wait for are still open
+                     (one statement for all of them, every poll interval: app/connect/notify.py)
     find_service     a live sibling service by the digest of its secret
     find_service_and_own_connection
                      both at once, for the integration API's credential fetch

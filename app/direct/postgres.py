@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import asyncpg
@@ -29,6 +30,7 @@ from app.db import (
 from app.direct.batching import LoopBatcher
 from app.direct.compiled import Compiled
 from app.direct.records import (
+    OPEN_CHECK_CHUNK,
     ConnectionRecord,
     FlowRecord,
     NewFlow,
@@ -36,6 +38,7 @@ from app.direct.records import (
     ServiceRecord,
     StoreUnavailable,
     insert_values,
+    open_check_chunks,
 )
 from app.tables import audit, connections, flows, services
 
@@ -71,6 +74,7 @@ DIALECT = DroppingAsyncpgDialect()  # type: ignore[no-untyped-call]
 FIND_CONNECTIONS = Compiled(connections.find_many(), DIALECT)
 INSERT_FLOWS = Compiled(audit.with_new_flows(flows.insert_many()), DIALECT)  # + their events
 GET_FLOWS_AND_CONNECTIONS = Compiled(flows.read_many(), DIALECT)
+OPEN_AMONG = Compiled(flows.open_among(), DIALECT, expand={"ids": OPEN_CHECK_CHUNK})
 FIND_SERVICES_AND_OWN_CONNECTIONS = Compiled(services.find_with_connection_many(), DIALECT)
 READ_CONNECTIONS = RowReader(FIND_CONNECTIONS, as_given)
 READ_FLOWS = RowReader(GET_FLOWS_AND_CONNECTIONS, as_given)
@@ -85,6 +89,13 @@ def find_service(digests: int) -> tuple[Compiled, RowReader]:
     """The service lookup for `digests` digests (one per signing key: a handful, made once)."""
     compiled = Compiled(services.find_one(), DIALECT, expand={"digests": digests})
     return compiled, RowReader(compiled, as_given)
+
+
+async def _open_among(
+    chunk: list[str], now: datetime, connection: asyncpg.Connection[Any]
+) -> list[str]:
+    values = OPEN_AMONG.values({"ids": chunk, "now": now})
+    return [row[0] for row in await connection.fetch(OPEN_AMONG.sql, *values)]
 
 
 async def _keep_session(_connection: asyncpg.Connection[Any]) -> None:
@@ -180,6 +191,13 @@ class PostgresStore:
         rows = await self._run(lambda c: c.fetch(statement.sql, *values))
         by_id = {row[FLOW_ID]: READ_FLOWS.flow_and_connection(row) for row in rows}
         return [by_id.get(flow_id) for flow_id in flow_ids]
+
+    async def still_open(self, flow_ids: list[str]) -> set[str]:
+        now = datetime.now(UTC)
+        found: set[str] = set()
+        for chunk in open_check_chunks(flow_ids):
+            found.update(await self._run(functools.partial(_open_among, chunk, now)))
+        return found
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         statement, read = find_service(len(digests))

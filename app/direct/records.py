@@ -183,6 +183,18 @@ class ServiceRecord:
     providers: str  # space-separated; empty means every provider
 
 
+OPEN_CHECK_CHUNK = 1000  # flow ids per statement of `still_open`
+
+
+def open_check_chunks(flow_ids: list[str]) -> list[list[str]]:
+    """`flow_ids` in lists of exactly OPEN_CHECK_CHUNK ids, the last one padded with its own last
+    id (a repeated id changes nothing in an `IN` list): one compiled text serves every call."""
+    chunks = [flow_ids[n : n + OPEN_CHECK_CHUNK] for n in range(0, len(flow_ids), OPEN_CHECK_CHUNK)]
+    if chunks:
+        chunks[-1] += [chunks[-1][-1]] * (OPEN_CHECK_CHUNK - len(chunks[-1]))
+    return chunks
+
+
 class DirectStore(Protocol):
     async def find_connection(
         self, issuer: str, subject: str, provider: str, audience: str
@@ -199,6 +211,11 @@ class DirectStore(Protocol):
         """The flow, and in the same statement its owner's connection for the flow's provider and
         audience, if any: a retry that finds its flow done has the credential without another
         round trip (and both come from one snapshot)."""
+        ...
+
+    async def still_open(self, flow_ids: list[str]) -> set[str]:
+        """Which of `flow_ids` are flows still open (any number of ids: one statement per
+        OPEN_CHECK_CHUNK of them)."""
         ...
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:

@@ -52,6 +52,7 @@ from app.db import STATEMENT_WAIT_SECONDS, WAL_LIMIT_BYTES, set_sqlite_options
 from app.direct.batching import LoopBatcher
 from app.direct.compiled import Compiled
 from app.direct.records import (
+    OPEN_CHECK_CHUNK,
     ConnectionRecord,
     FlowRecord,
     NewFlow,
@@ -59,6 +60,7 @@ from app.direct.records import (
     ServiceRecord,
     StoreUnavailable,
     insert_values,
+    open_check_chunks,
 )
 from app.sqlite_gate import WriteTurnTimeout, gate_for
 from app.tables import audit, connections, flows, services
@@ -82,6 +84,7 @@ FIND_CONNECTION = Compiled(connections.find_one(), DIALECT)
 INSERT_FLOW = Compiled(flows.insert_one(), DIALECT)
 RECORD_NEW_FLOW = Compiled(audit.for_new_flow(), DIALECT)
 GET_FLOW_AND_CONNECTION = Compiled(flows.read_one(), DIALECT)
+OPEN_AMONG = Compiled(flows.open_among(), DIALECT, expand={"ids": OPEN_CHECK_CHUNK})
 
 
 def stored_time(value: datetime) -> str:
@@ -127,6 +130,20 @@ def _read_all(connection: sqlite3.Connection, reads: list[_Statement]) -> list[A
     connection.execute("BEGIN")
     try:
         rows = [connection.execute(read.statement, read.values).fetchone() for read in reads]
+        connection.execute("COMMIT")
+    except BaseException:
+        _roll_back(connection)
+        raise
+    return rows
+
+
+def _read_rows(
+    connection: sqlite3.Connection, statement: str, calls: list[tuple[Any, ...]]
+) -> list[Any]:
+    """Every row of `statement` run with each of `calls`' values, in one read transaction."""
+    connection.execute("BEGIN")
+    try:
+        rows = [row for values in calls for row in connection.execute(statement, values)]
         connection.execute("COMMIT")
     except BaseException:
         _roll_back(connection)
@@ -316,6 +333,14 @@ class SqliteStore:
         statement = GET_FLOW_AND_CONNECTION
         row = await self._read(statement.sql, statement.values({"id": flow_id}))
         return READ_FLOW.flow_and_connection(row) if row is not None else None
+
+    async def still_open(self, flow_ids: list[str]) -> set[str]:
+        now = stored_time(datetime.now(UTC))
+        reads = [
+            OPEN_AMONG.values({"ids": chunk, "now": now}) for chunk in open_check_chunks(flow_ids)
+        ]
+        rows = await self._run(lambda c: _read_rows(c, OPEN_AMONG.sql, reads))
+        return {flow_id for (flow_id,) in rows}
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
         statement, read = find_service(len(digests))

@@ -176,6 +176,16 @@ def id_by_state(state_digest: str) -> Select[str]:
     return select(Flow.id).where(Flow.state_digest == state_digest)
 
 
+def open_among() -> Select[str]:
+    """The ids among the bound list `ids` of flows still open at `now` (the check of the flows
+    a process's retries wait for, app/connect/notify.py)."""
+    return select(Flow.id).where(
+        Flow.id.in_(bindparam("ids", expanding=True)),
+        is_open(),
+        Flow.expires_at > bindparam("now", type_=UtcDateTime),
+    )
+
+
 def transition(
     flow_id: str,
     principal: Principal,

@@ -32,6 +32,7 @@ from app.connect import service as flow_service
 from app.connect.request_state import RequestStateCodec, arguments_digest
 from app.connect.service import purge
 from app.crypto import Keyring, generate_key
+from app.db import create_engine
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
@@ -700,6 +701,37 @@ async def test_a_waiting_retry_returns_as_soon_as_the_browser_completes_the_flow
     assert tool_result(response)["structuredContent"]["status"] == "connected"
     assert finished - submitted_at < WAKE_SECONDS
     assert finished - started < SLOW_RETRY_WAIT_SECONDS / 3
+
+
+async def test_a_waiting_retry_sees_a_flow_ended_by_another_process_at_the_next_check(
+    slow_broker: Stack, slow_clients: tuple[McpHttp, Browser]
+) -> None:
+    """A flow ended where no notification reaches this broker (another process on SQLite, a lost
+    listener on PostgreSQL): the broker's periodic check of the flows its retries wait for (every
+    0.25 s on SQLite, 2 s on PostgreSQL) ends the wait, not retry_wait_seconds."""
+    idp, broker = slow_broker.idp, slow_broker.broker
+    mcp, _ = slow_clients
+    user = fresh_user("ended-elsewhere")
+    token = mint_token(idp.signing_jwk, issuer=idp.issuer, audience=broker.mcp_url, subject=user)
+    result, _, flow_id = await round_one(mcp, token)
+    waiting = asyncio.create_task(retry(mcp, token, result["requestState"]))
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    assert not done, "the retry returned while the flow was still pending"
+
+    engine = create_engine(broker.database_url, pool_size=1)
+    try:
+        async with engine.begin() as connection:  # a plain UPDATE: no pg_notify
+            await connection.execute(
+                update(Flow).where(Flow.id == flow_id).values(status=FlowStatus.declined)
+            )
+    finally:
+        await engine.dispose()
+    ended_at = time.monotonic()
+    response = await asyncio.wait_for(waiting, timeout=SLOW_RETRY_WAIT_SECONDS + 10)
+    waited = time.monotonic() - ended_at
+
+    assert tool_result(response)["structuredContent"] == {"status": "declined"}
+    assert waited < SLOW_RETRY_WAIT_SECONDS / 3
 
 
 WAITERS = 12  # retries waiting at once, against a pool of 2 connections (4 with overflow)
