@@ -127,28 +127,22 @@ def _read_all(connection: sqlite3.Connection, reads: list[_Statement]) -> list[A
     """The first row (or None) of each read, all in one read transaction."""
     if len(reads) == 1:
         return [connection.execute(reads[0].statement, reads[0].values).fetchone()]
+    return _in_read_transaction(
+        connection,
+        lambda: [connection.execute(read.statement, read.values).fetchone() for read in reads],
+    )
+
+
+def _in_read_transaction(connection: sqlite3.Connection, read: Callable[[], T]) -> T:
+    """`read()` in one read transaction (one snapshot), ended whatever happens."""
     connection.execute("BEGIN")
     try:
-        rows = [connection.execute(read.statement, read.values).fetchone() for read in reads]
+        result = read()
         connection.execute("COMMIT")
     except BaseException:
         _roll_back(connection)
         raise
-    return rows
-
-
-def _read_rows(
-    connection: sqlite3.Connection, statement: str, calls: list[tuple[Any, ...]]
-) -> list[Any]:
-    """Every row of `statement` run with each of `calls`' values, in one read transaction."""
-    connection.execute("BEGIN")
-    try:
-        rows = [row for values in calls for row in connection.execute(statement, values)]
-        connection.execute("COMMIT")
-    except BaseException:
-        _roll_back(connection)
-        raise
-    return rows
+    return result
 
 
 def _roll_back(connection: sqlite3.Connection) -> None:
@@ -339,7 +333,11 @@ class SqliteStore:
         reads = [
             OPEN_AMONG.values({"ids": chunk, "now": now}) for chunk in open_check_chunks(flow_ids)
         ]
-        rows = await self._run(lambda c: _read_rows(c, OPEN_AMONG.sql, reads))
+        rows = await self._run(
+            lambda c: _in_read_transaction(
+                c, lambda: [row for values in reads for row in c.execute(OPEN_AMONG.sql, values)]
+            )
+        )
         return {flow_id for (flow_id,) in rows}
 
     async def find_service(self, digests: list[str]) -> ServiceRecord | None:
