@@ -37,5 +37,7 @@ async def wait_for_flow(
             remaining = deadline - loop.time()
             if read is None or not read.flow.is_open or remaining <= 0:
                 return read
+            # `timeout`, not `wait_for`: no task of its own for each of thousands of waiters
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
