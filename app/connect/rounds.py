@@ -10,12 +10,14 @@ the connection exists, and the client gets it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from app.auth.principal import Principal
 from app.connect import service as flows
 from app.connect.context import RoundContext
+from app.connect.require import url_declared
 from app.connect.service import FlowRead, FlowView
 from app.connect.wait import wait_for_flow
 from app.errors import DATABASE_ERRORS
@@ -31,20 +33,32 @@ ENDED_STATUSES = (FlowStatus.declined, FlowStatus.cancelled, FlowStatus.failed)
 @dataclass(frozen=True, slots=True)
 class RoundOutcome:
     """Exactly one of: `done` (the flow completed: its read, with the connection), `open` (still
-    waiting for the browser: elicit the same URL again), or `ended` (declined, cancelled,
-    failed or expired; `flow` is None when no flow is found for the caller any more)."""
+    waiting for the browser: elicit the same URL again), `needs_url_capability` (still open, but
+    this request does not declare URL-mode elicitation, so the URL cannot be asked again), or
+    `ended` (declined, cancelled, failed or expired; `flow` is None when no flow is found for
+    the caller any more)."""
 
     done: FlowRead | None = None
     open: FlowView | None = None
+    needs_url_capability: bool = False
     ended: str | None = None
     flow: FlowView | None = None
 
 
 async def resume_round(
-    context: RoundContext, *, flow_id: str, principal: Principal, action: Action | None
+    context: RoundContext,
+    *,
+    flow_id: str,
+    principal: Principal,
+    action: Action | None,
+    capabilities: Mapping[str, Any],
 ) -> RoundOutcome:
     """Settle the client's answer for flow `flow_id`: a decline or cancel ends a flow that is
-    still open; an accept waits (bounded) for the browser side; no answer only looks."""
+    still open; an accept waits (bounded) for the browser side; no answer only looks.
+
+    `capabilities` are this request's: a client that no longer declares URL-mode elicitation
+    gets a done or ended flow's outcome, but is not waited for nor asked the URL again.
+    """
     if action in ("decline", "cancel"):
         status = FlowStatus.declined if action == "decline" else FlowStatus.cancelled
         async with context.sessionmaker.begin() as session:
@@ -53,14 +67,15 @@ async def resume_round(
         if read is not None and read.flow.is_done:
             return RoundOutcome(done=read)  # the browser won the race: the user did connect
         return RoundOutcome(ended=status, flow=read.flow if read else None)
-    wait = context.settings.server.retry_wait_seconds if action == "accept" else 0
+    can_ask = url_declared(capabilities)
+    wait = context.settings.server.retry_wait_seconds if action == "accept" and can_ask else 0
     read = await wait_for_flow(context.store, context.notifier, flow_id, principal, wait)
     if read is None:
         return RoundOutcome(ended=FlowStatus.expired)
     if read.flow.is_done:
         return RoundOutcome(done=read)
     if read.flow.is_open:
-        return RoundOutcome(open=read.flow)
+        return RoundOutcome(open=read.flow) if can_ask else RoundOutcome(needs_url_capability=True)
     outcome = read.flow.outcome
     return RoundOutcome(
         ended=outcome if outcome in ENDED_STATUSES else FlowStatus.expired, flow=read.flow

@@ -306,8 +306,12 @@ def _answer(
     if outcome.elicit is not None:
         return _elicit(api, service, outcome.elicit, body)
     if outcome.needs_url_capability:
-        return ConnectOutcome(status="missing_capability", required_capabilities=URL_ELICITATION)
+        return _missing_url_capability()
     return ConnectOutcome(status="failed", message=outcome.too_many_open_flows)
+
+
+def _missing_url_capability() -> ConnectOutcome:
+    return ConnectOutcome(status="missing_capability", required_capabilities=URL_ELICITATION)
 
 
 async def require_connection(
@@ -344,7 +348,11 @@ async def resume_connection(
     if action is not None and action not in ACTIONS:
         raise InvalidInputResponse()
     outcome = await resume_round(
-        api.rounds, flow_id=payload.flow_id, principal=principal, action=action
+        api.rounds,
+        flow_id=payload.flow_id,
+        principal=principal,
+        action=action,
+        capabilities=body.client_capabilities,
     )
     if outcome.done is not None:
         read = outcome.done
@@ -354,6 +362,8 @@ async def resume_connection(
         if again.connected is not None:
             await mark_delivered(api.rounds, read)
         return _answer(api, service, again, body)
+    if outcome.needs_url_capability:
+        return _missing_url_capability()
     if outcome.open is not None:
         return _elicit(api, service, elicitation(api.rounds, outcome.open), body)
     return ConnectOutcome(status=outcome.ended or FlowStatus.expired)

@@ -4,7 +4,8 @@ A user may connect several accounts of one provider (work and personal GitHub). 
 for the provider's credential gets, in this order:
 
 1. the account the call names (`account`: an account's name as `list_connections` lists it,
-   or "new" to connect another one), which also becomes the client's choice;
+   or "new" to connect another one), which also becomes the client's choice once its
+   credential is usable;
 2. the account whose connect flow this very call just finished;
 3. the account the user chose for this MCP client (the access token's client id, not the
    `clientInfo` name a client says of itself), kept until that account is disconnected;
@@ -136,19 +137,23 @@ class BrokerConnections:
         return usable
 
     async def _named(self, provider: str, scopes: tuple[str, ...], name: str) -> Credential:
+        """The named account's credential, remembered as this client's choice once it is usable:
+        a call refused for want of a grant (or of a capability to ask for one) changes nothing."""
         async with self._context.sessionmaker() as session:
             held_accounts = await self._accounts(session, provider)
-            row = held_accounts.get(name)
-            if row is None:
-                raise invalid_params(
-                    f"account: no such {provider} account is connected (list_connections "
-                    f'names them; "{NEW_ACCOUNT}" connects another)'
-                )
+        row = held_accounts.get(name)
+        if row is None:
+            raise invalid_params(
+                f"account: no such {provider} account is connected (list_connections "
+                f'names them; "{NEW_ACCOUNT}" connects another)'
+            )
+        found = await self._use(row, scopes, accounts=len(held_accounts))
+        async with self._context.sessionmaker() as session:
             await credentials.choose_account(
                 session, principal=self._caller.principal, client_id=self._caller.client_id, row=row
             )
             await session.commit()
-        return await self._use(row, scopes, accounts=len(held_accounts))
+        return found
 
     async def _chosen(
         self, provider: str, scopes: tuple[str, ...], default: Credential
@@ -164,9 +169,16 @@ class BrokerConnections:
         for row in held_accounts.values():
             if row.account_id == chosen:
                 return await self._use(row, scopes, accounts=len(held_accounts))
-        if len(held_accounts) > 1 and form_declared(self._capabilities):
-            raise AccountChoiceRequired(provider, tuple(held_accounts))
-        return default  # MCP 2026-07-28: no form mode declared, so no question asked
+        if len(held_accounts) > 1:
+            self._ask(provider, tuple(held_accounts))
+        return default
+
+    def _ask(self, provider: str, names: tuple[str, ...]) -> None:
+        """Ask which account (a form-mode elicitation), when this request declares form mode.
+        Without it the caller goes on with the default account: MCP 2026-07-28 forbids asking
+        what the request's capabilities do not declare, and a missing choice is no error."""
+        if form_declared(self._capabilities):
+            raise AccountChoiceRequired(provider, names)
 
     async def _use(self, row: Connection, scopes: tuple[str, ...], *, accounts: int) -> Credential:
         found = await self._context.credentials.use(row, accounts=accounts)
@@ -184,16 +196,19 @@ class BrokerConnections:
 
     async def answer(self, provider: str, offered: list[str], response: Any) -> ToolResult | None:
         """Record the client's answer to the choice of a `provider` account (`response`: its
-        `inputResponses` entry); None when recorded, else the final result (declined,
+        `inputResponses` entry); None when recorded (or when there is nothing to record: no
+        answer, from a request that cannot be asked again), else the final result (declined,
         cancelled).
 
         Raises:
             JsonRpcError: -32602 for a malformed answer or an account that was not offered.
-            AccountChoiceRequired: no answer, or the account chosen is gone: ask again.
+            AccountChoiceRequired: no answer, or the account chosen is gone, and this request
+                declares form mode: ask again.
         """
         key = input_key(provider)
         if response is None:
-            raise AccountChoiceRequired(provider, tuple(offered))
+            self._ask(provider, tuple(offered))
+            return None
         action = response.get("action")
         if action not in ACTIONS:
             raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
@@ -210,10 +225,10 @@ class BrokerConnections:
         async with self._context.sessionmaker() as session:
             held_accounts = await self._accounts(session, provider)
             row = held_accounts.get(name)
-            if row is None and len(held_accounts) > 1:  # gone meanwhile, or renamed: ask again
-                raise AccountChoiceRequired(provider, tuple(held_accounts))
-            if row is None:
-                return None  # one account (or none) is left: nothing to choose
+            if row is None:  # gone meanwhile, or renamed: ask again, if there is a choice
+                if len(held_accounts) > 1:
+                    self._ask(provider, tuple(held_accounts))
+                return None
             await credentials.choose_account(
                 session, principal=self._caller.principal, client_id=self._caller.client_id, row=row
             )

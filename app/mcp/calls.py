@@ -164,8 +164,6 @@ class CallToolRound:
     def _shape(self, outcome: ToolOutcome) -> dict[str, Any]:
         if isinstance(outcome, ToolResult):
             return outcome.to_wire()
-        for key, request in outcome.requests.items():
-            self._check_declared(key, request)
         return self._input_required(outcome.requests, data=outcome.state)
 
     def _check_declared(self, key: str, request: dict[str, Any]) -> None:
@@ -176,12 +174,12 @@ class CallToolRound:
         if capability is None:
             raise ValueError(f"input request {key!r} has an unsupported method")
         declared = self.message.capabilities.get(capability)
-        if not isinstance(declared, dict):
-            raise missing_capability({capability: {}})
         if method == "elicitation/create":
             mode = (request.get("params") or {}).get("mode", "form")
-            if mode not in (declared or {"form": {}}):
+            if not isinstance(declared, dict) or mode not in (declared or {"form": {}}):
                 raise missing_capability({"elicitation": {mode: {}}})
+        elif not isinstance(declared, dict):
+            raise missing_capability({capability: {}})
 
     def _input_required(
         self,
@@ -191,6 +189,10 @@ class CallToolRound:
         flow_id: str | None = None,
         input_key: str | None = None,
     ) -> dict[str, Any]:
+        """Every input request checked against this request's capabilities, whoever built it
+        (a tool, the account choice, a connect round), then the state sealed."""
+        for key, request in requests.items():
+            self._check_declared(key, request)
         state = self.server.codec.issue(
             self.caller,
             method="tools/call",
@@ -239,10 +241,16 @@ class CallToolRound:
         if response is not None and action not in ACTIONS:
             raise invalid_params(f"inputResponses.{key}.action must be accept, decline or cancel")
         outcome = await resume_round(
-            self.server.rounds, flow_id=flow_id, principal=principal, action=action
+            self.server.rounds,
+            flow_id=flow_id,
+            principal=principal,
+            action=action,
+            capabilities=self.message.capabilities,
         )
         if outcome.done is not None:
             return outcome.done
+        if outcome.needs_url_capability:
+            raise missing_capability(URL_ELICITATION)
         if outcome.open is not None:
             return self._elicit(elicitation(self.server.rounds, outcome.open))
         return self._ended(outcome.flow, outcome.ended or FlowStatus.expired)

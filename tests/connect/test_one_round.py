@@ -7,8 +7,8 @@ scenario on both surfaces, each with a user of its own, and compares the two run
 and with the decided behaviour: the scopes a new flow asks for (provider defaults, then those asked
 for, then those already granted), scopes asked of an API-key provider (ignored), the audiences read
 (`share_from`), too many open links (the same text), a client without URL-mode elicitation (no
-flow; a connected user still gets the credential) and the user who finished in the browser before
-the client's decline arrived (connected).
+flow; a connected user still gets the credential; a retry is not asked the URL again) and the
+user who finished in the browser before the client's decline arrived (connected).
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Surface(Protocol):
         self, provider: str, scopes: tuple[str, ...] = (), capabilities: Any = URL_CAPS
     ) -> Decision: ...
 
-    async def resume(self, elicited: Decision, action: str) -> Decision: ...
+    async def resume(
+        self, elicited: Decision, action: str, capabilities: Any = URL_CAPS
+    ) -> Decision: ...
 
 
 class McpSurface:
@@ -94,11 +96,14 @@ class McpSurface:
         )
         return self._decision(response, arguments)
 
-    async def resume(self, elicited: Decision, action: str) -> Decision:
+    async def resume(
+        self, elicited: Decision, action: str, capabilities: Any = URL_CAPS
+    ) -> Decision:
         response = await self.mcp.call_tool(
             self.token,
             "connect_account",
             elicited.retry["arguments"],
+            capabilities=capabilities,
             input_responses={elicited.retry["key"]: {"action": action}},
             request_state=elicited.retry["state"],
         )
@@ -144,7 +149,9 @@ class ApiSurface:
         )
         return self._decision(response, provider, scopes)
 
-    async def resume(self, elicited: Decision, action: str) -> Decision:
+    async def resume(
+        self, elicited: Decision, action: str, capabilities: Any = URL_CAPS
+    ) -> Decision:
         provider, scopes = elicited.retry["provider"], elicited.retry["scopes"]
         response = await self.api.resume(
             provider,
@@ -152,6 +159,7 @@ class ApiSurface:
             elicited.retry["state"],
             {"action": action},
             scopes=list(scopes),
+            client_capabilities=capabilities,
         )
         return self._decision(response, provider, scopes)
 
@@ -282,6 +290,24 @@ async def test_without_url_elicitation_no_flow_starts_but_a_connected_user_is_se
         )
 
     assert runs[0] == runs[1] == (NEEDS_URL, 0, CONNECTED)
+
+
+@pytest.mark.parametrize("capabilities", WITHOUT_URL, ids=["none", "empty", "form-only"])
+async def test_a_retry_without_url_elicitation_is_not_asked_the_url_again(
+    capabilities: dict[str, Any], surfaces: MakeSurfaces, db: AsyncEngine
+) -> None:
+    """The capability is this request's: a retry that no longer declares URL mode is not
+    elicited again while the flow is open (the flow stays open); once the user has finished,
+    the same retry is connected, which asks nothing."""
+    runs = []
+    for surface in await surfaces("retry-no-url"):
+        first = await surface.require("demo")
+        refused = await surface.resume(first, "accept", capabilities)
+        status = (await flow_row(db, first.flow_id or "") or {})["status"]
+        await submit_api_key(surface.browser, surface.subject, first.flow_id or "")
+        runs.append((refused, status, await surface.resume(first, "accept", capabilities)))
+
+    assert runs[0] == runs[1] == (NEEDS_URL, "pending", CONNECTED)
 
 
 async def test_too_many_open_links_is_refused_with_the_same_text(

@@ -83,6 +83,7 @@ async def retry(
     responses: dict[str, Any] | None = None,
     name: str = "connect_account",
     arguments: dict[str, Any] | None = None,
+    capabilities: dict[str, Any] | None = None,
 ) -> httpx2.Response:
     """The client's retry of the same tools/call with the echoed state and an answer."""
     if responses is None:
@@ -91,6 +92,7 @@ async def retry(
         token,
         name,
         ARGUMENTS if arguments is None else arguments,
+        capabilities=capabilities,
         input_responses=responses,
         request_state=state,
     )
@@ -478,6 +480,39 @@ async def test_c7_retry_without_an_answer_re_asks_at_once(
     assert body["result"]["inputRequests"] == result["inputRequests"]
     assert waited < RETRY_WAIT_SECONDS - 1
     assert await count_rows(db, "flows", subject=user) == 1
+
+
+@pytest.mark.parametrize("capabilities", [{}, {"elicitation": {}}], ids=["none", "form-only"])
+async def test_a_retry_that_does_not_declare_url_elicitation_is_not_asked_the_url_again(
+    capabilities: dict[str, Any],
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    db: AsyncEngine,
+) -> None:
+    """MRTR rule 7 (spec/DIGEST.md §4.3): only what this request's capabilities declare may be
+    asked. A retry of a still-open flow without URL-mode elicitation is -32021 at once (no
+    wait), and the flow stays open; once the user has finished, the same retry gets the result,
+    which asks nothing."""
+    user = fresh_user("c7-no-url")
+    token = token_for(user)
+    result, _, flow_id = await round_one(mcp, token)
+
+    started = time.monotonic()
+    refused = await retry(mcp, token, result["requestState"], capabilities=capabilities)
+    waited = time.monotonic() - started
+
+    assert refused.status_code == 400, refused.text
+    body = refused.json()
+    validate_response(body)
+    assert body["error"]["code"] == -32021
+    assert body["error"]["data"] == {"requiredCapabilities": {"elicitation": {"url": {}}}}
+    assert waited < RETRY_WAIT_SECONDS - 1
+    assert (await flow_row(db, flow_id) or {})["status"] == "pending"
+
+    await finish_in_browser(browser, user, flow_id)
+    final = await retry(mcp, token, result["requestState"], capabilities=capabilities)
+    assert tool_result(final)["structuredContent"]["status"] == "connected"
 
 
 @pytest.mark.parametrize(

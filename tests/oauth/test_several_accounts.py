@@ -179,6 +179,43 @@ async def test_a_client_without_form_mode_gets_the_default_account_never_an_erro
     assert after["structuredContent"]["login"] == work
 
 
+@pytest.mark.parametrize("capabilities", [URL_ONLY, {}], ids=["url-only", "none"])
+async def test_a_retry_of_the_choice_without_form_mode_gets_the_default_account(
+    mcp: McpHttp, browser: Browser, github: FakeGitHub, token_for: Any, capabilities: Any
+) -> None:
+    """Rule 7 holds on the retry too: a client that no longer declares form mode is not asked
+    again (nor any other question) but served with the default account."""
+    _, token, _, home = await two_accounts(mcp, browser, github, token_for, "accounts-reform")
+    _, state = choice_asked(await mcp.call_tool(token, "github_whoami"))
+
+    retried = await mcp.call_tool(
+        token, "github_whoami", capabilities=capabilities, request_state=state
+    )
+
+    assert complete(retried)["structuredContent"]["login"] == home
+
+
+async def test_a_named_account_refused_for_want_of_a_capability_is_not_remembered(
+    mcp: McpHttp, browser: Browser, github: FakeGitHub, token_for: Any
+) -> None:
+    """A call naming an account whose grant falls short, from a client that cannot be sent to
+    the provider, is refused (-32021) and changes nothing: the next call still asks which
+    account, as before it."""
+    _, token, work, home = await two_accounts(mcp, browser, github, token_for, "accounts-named")
+
+    refused = await mcp.call_tool(
+        token,
+        "connect_account",
+        {"provider": "github", "account": f"@{work}", "scopes": ["admin:org"]},
+        capabilities={},
+    )
+
+    assert refused.status_code == 400, refused.text
+    assert rpc_error(refused)["code"] == -32021
+    offered, _ = choice_asked(await mcp.call_tool(token, "github_whoami"))
+    assert offered == [f"@{home}", f"@{work}"]
+
+
 async def test_disconnecting_one_account_leaves_the_other(
     mcp: McpHttp, browser: Browser, github: FakeGitHub, token_for: Any, db: AsyncEngine
 ) -> None:
