@@ -54,10 +54,16 @@ class Message:
 
 def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     """An ASGI scope's headers as one dict, built once per request (each lookup in Starlette's
-    `Headers` scans the list). ASGI names are lower-case already."""
+    `Headers` scans the list). ASGI names are lower-case already.
+
+    A header sent more than once is one comma-separated value, as HTTP combines field lines
+    (RFC 9110 §5.3): two `Mcp-Method` or `Mcp-Name` lines then match no method or tool and are
+    refused, rather than the first being checked while a proxy acted on the last.
+    """
     headers: dict[str, str] = {}
     for name, value in raw:
-        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
     return headers
 
 
@@ -132,14 +138,20 @@ def parse_body(body: bytes) -> Message:
         ) from None
     if isinstance(document, list):
         raise _invalid("Batches are not supported: send one JSON-RPC message per request")
-    if not isinstance(document, dict) or document.get("jsonrpc") != "2.0":
+    if not isinstance(document, dict):
         raise _invalid('Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")')
-    method = document.get("method")
-    if not isinstance(method, str) or not method:
-        raise _invalid("Not a JSON-RPC request: a method is required")
     has_id = "id" in document
     request_id = document.get("id")
-    if has_id and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
+    readable_id = request_id if _is_request_id(request_id) else None  # echoed in any error
+    if document.get("jsonrpc") != "2.0":
+        raise _invalid(
+            'Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")',
+            request_id=readable_id,
+        )
+    method = document.get("method")
+    if not isinstance(method, str) or not method:
+        raise _invalid("Not a JSON-RPC request: a method is required", request_id=readable_id)
+    if has_id and readable_id is None:
         raise _invalid("The request id must be a string or an integer", method=method)
     params = document.get("params")
     if params is not None and not isinstance(params, dict):
@@ -159,8 +171,17 @@ def parse_body(body: bytes) -> Message:
     )
 
 
-def _invalid(message: str, *, method: str | None = None) -> JsonRpcError:
-    return JsonRpcError(INVALID_REQUEST, message, http_status=400, method=method)
+def _invalid(
+    message: str, *, method: str | None = None, request_id: str | int | None = None
+) -> JsonRpcError:
+    return JsonRpcError(
+        INVALID_REQUEST, message, http_status=400, method=method, request_id=request_id
+    )
+
+
+def _is_request_id(value: object) -> bool:
+    """Schema `RequestId`: a string or an integer (a boolean is neither)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def check_message(message: Message, headers: HeaderMap) -> None:

@@ -1,10 +1,11 @@
 """Streamable HTTP transport and JSON-RPC envelope of POST /mcp (SECURITY.md §3.2, B1-B20).
 
 HTTP status policy pinned here (SECURITY.md §3): a body that is not one valid JSON-RPC request is
-answered 400 with -32700/-32600 and no id; header and _meta problems are 400 (-32020, -32021,
--32022, -32602 for missing _meta fields); an unknown method is 404 -32601; other bad params
-(an unknown tool) are -32602 at HTTP 200. Tests that could have side effects call
-`connect_account` for a user of their own and assert afterwards that no flow row exists for them.
+answered 400 with -32700/-32600, echoing the id only when it could be read; header and _meta
+problems are 400 (-32020, -32021, -32022, -32602 for missing _meta fields); an unknown method
+is 404 -32601; other bad params (an unknown tool) are -32602 at HTTP 200. Tests that could have
+side effects call `connect_account` for a user of their own and assert afterwards that no flow
+row exists for them.
 """
 
 from __future__ import annotations
@@ -150,12 +151,34 @@ async def test_b3_batch_is_refused_without_running_any_element(
 
 
 async def test_b4_response_object_is_an_invalid_request(mcp: McpHttp, token_for: Any) -> None:
-    """B4. Clients never POST responses; a result object is -32600."""
+    """B4. Clients never POST responses; a result object is -32600, echoing its id."""
     content = b'{"jsonrpc":"2.0","id":1,"result":{}}'
 
     response = await post_raw(mcp, content, token_for(fresh_user("b4")))
 
     rpc_error(response, 400, -32600)
+    assert response.json()["id"] == 1
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"jsonrpc":"2.0","id":7,"method":5}',
+        b'{"jsonrpc":"2.0","id":"seven","method":""}',
+        b'{"jsonrpc":"1.0","id":7,"method":"tools/list"}',
+        b'{"id":7,"method":"tools/list"}',
+    ],
+    ids=["method-not-a-string", "method-empty", "jsonrpc-1.0", "jsonrpc-missing"],
+)
+async def test_an_invalid_request_whose_id_could_be_read_echoes_it(
+    mcp: McpHttp, token_for: Any, content: bytes
+) -> None:
+    """spec/DIGEST.md §2.2: an error echoes the request id; it is left out only when it could
+    not be read (B1-B3, B5, B6)."""
+    response = await post_raw(mcp, content, token_for(fresh_user("id-echo")))
+
+    rpc_error(response, 400, -32600)
+    assert response.json()["id"] == json.loads(content)["id"]
 
 
 async def test_b5_null_id_is_an_invalid_request(mcp: McpHttp, token_for: Any) -> None:
@@ -357,6 +380,28 @@ async def test_b11_mcp_method_mismatch_runs_nothing(
     )
 
     rpc_error(response, 400, -32020)
+    assert await flows_of(db, user) == 0
+
+
+@pytest.mark.parametrize(
+    ("header", "second"),
+    [("Mcp-Method", "tools/list"), ("Mcp-Name", "disconnect_account")],
+    ids=["method", "name"],
+)
+async def test_b11_a_repeated_mcp_header_runs_nothing(
+    mcp: McpHttp, token_for: Any, db: AsyncEngine, header: str, second: str
+) -> None:
+    """B11 (repeated variant). The body's header first, then another value: a proxy acting on
+    the last line must not see one request while the broker runs another. Repeated lines are
+    one comma-separated value (RFC 9110 §5.3), which matches nothing: -32020."""
+    user = fresh_user("b11r")
+    body = connect_body()
+    headers = [*request_headers(body, token_for(user)).items(), (header, second)]
+
+    response = await mcp.http.post(mcp.mcp_url, content=json.dumps(body).encode(), headers=headers)
+
+    rpc_error(response, 400, -32020)
+    assert response.json()["id"] == body["id"]
     assert await flows_of(db, user) == 0
 
 
