@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import httpx2
 
+from app.display import display_text
 from app.mcp.registry import Tool, ToolCall, ToolRegistry, ToolResult
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
@@ -34,8 +35,7 @@ def _github_whoami(http: httpx2.AsyncClient, name: str, provider: OAuthProviderS
                 "disconnect and connect the account again.",
                 is_error=True,
             )
-        # Only named fields leave the broker: a provider response may echo credentials (I3).
-        profile = {key: user.get(key) for key in WHOAMI_FIELDS}
+        profile = _profile(user)
         return ToolResult(
             text=f"Connected to {provider.display_name} as @{profile['login']}.", structured=profile
         )
@@ -46,3 +46,19 @@ def _github_whoami(http: httpx2.AsyncClient, name: str, provider: OAuthProviderS
         handler=whoami,
         annotations={"readOnlyHint": True, "openWorldHint": True},
     )
+
+
+def _profile(user: Mapping[str, object]) -> dict[str, str | int | None]:
+    """The named fields of a provider's `/user` answer, and only those: a provider response may
+    echo credentials (I3). Each is an integer or a readable, bounded string (app/display.py);
+    anything else is None, as a provider's answer is checked before it reaches a result."""
+    profile: dict[str, str | int | None] = {}
+    for key in WHOAMI_FIELDS:
+        value = user.get(key)
+        if isinstance(value, str):
+            profile[key] = display_text(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            profile[key] = value
+        else:
+            profile[key] = None
+    return profile
