@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +87,19 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    """A number too large for a double (`1e999`) is refused, as orjson refuses it, rather than
+    read as infinity, which no JSON answer could hold."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:32]} is out of range")
+    return value
+
+
 # One decoder for all requests: `json.loads` with hooks builds a decoder and scanner per call.
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite
+)
 
 
 def _decode(body: bytes) -> Any:

@@ -77,10 +77,12 @@ def test_b6_a_duplicate_key_anywhere_is_an_invalid_request(body: bytes) -> None:
         b'{"jsonrpc":"2.0",',
         b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":NaN}}',
         b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":Infinity}}',
+        b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":1e999}}',
+        b'{"jsonrpc":"2.0", "id":1,"method":"ping","params":{"x":-1E+400}}',
         b'\xff{"jsonrpc":"2.0"}',
         b"[" * 5000 + b"]" * 5000,
     ],
-    ids=["truncated", "nan", "infinity", "not-utf8", "deep"],
+    ids=["truncated", "nan", "infinity", "overflow", "overflow-spaced", "not-utf8", "deep"],
 )
 def test_b1_b2_what_is_not_json_is_a_parse_error(body: bytes) -> None:
     with pytest.raises(JsonRpcError) as refused:
