@@ -1,9 +1,11 @@
 """Erasing a user: `connect-broker users erase` and `DELETE /api/v1/admin/users`, one function
 (app/connect/erasure.py). Grants are revoked upstream (queued, then made by the housekeeping);
-connections, flows, browser sessions and the user's audit events older than the hold go."""
+connections, account choices, flows, browser sessions and the user's audit events older than the
+hold go, also a connection that a flow completion in progress stores meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -12,12 +14,27 @@ from typing import Any
 
 import httpx2
 import pytest
-from sqlalchemy import func, insert, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import event, func, insert, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from app import credentials
+from app.audit import CLI, Actor
+from app.auth.principal import Principal
 from app.clock import utcnow
+from app.connect import service as flows
+from app.connect.erasure import Erased, erase_user
+from app.crypto import Keyring
+from app.db import create_engine, create_sessionmaker
 from app.main import Shared
-from app.models import AuditEvent, Connection, Flow, LoginSession, PendingRevocation
+from app.models import (
+    AccountChoice,
+    AuditEvent,
+    Connection,
+    Flow,
+    FlowStatus,
+    LoginSession,
+    PendingRevocation,
+)
 
 from .conftest import DEMO_PROVIDER
 from .oauth.flows import connect, elicit
@@ -101,7 +118,7 @@ async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
 
     assert erased.returncode == 0, erased.stderr
     assert erased.stdout.strip().endswith(
-        "connections=1 revocations_queued=1 flows=2 sessions=1 audit_events=1"
+        "connections=1 revocations_queued=1 account_choices=0 flows=2 sessions=1 audit_events=1"
     )
     for model in (Connection, Flow, LoginSession):
         assert await count_of(db, model, user) == 0
@@ -123,7 +140,9 @@ async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
         "operator",
         "cli",
     )
-    assert erasure.detail == "connections=1 revocations_queued=1 flows=2 sessions=1 audit_events=1"
+    assert erasure.detail == (
+        "connections=1 revocations_queued=1 account_choices=0 flows=2 sessions=1 audit_events=1"
+    )
     # the erasure is the last event, unless the revocation worker has since revoked the grant
     after = names[erased_at + 1 :]
     assert after in ([], ["revocation.confirmed"]), after
@@ -138,6 +157,144 @@ async def test_erase_revokes_the_grants_and_deletes_all_but_the_held_events(
     assert gone.status_code == 401
     page = await browser.get("/connections")
     assert page.status_code == 303  # the browser session is gone: sign in again
+
+
+async def test_erase_deletes_every_account_choice_of_the_user(
+    broker: BrokerProcess, db: AsyncEngine
+) -> None:
+    """A choice of an account that no connection has any more goes too: here one made for a
+    connection of old (no upstream account id), which a new grant of the same account adopted."""
+    issuer = broker.config.issuer
+    user, bystander = fresh_user("erase-choices"), fresh_user("erase-choices-bystander")
+    keys = Keyring.parse(tuple(broker.config.encryption))
+    maker = create_sessionmaker(db)
+    for subject in (user, bystander):
+        principal = Principal(issuer, subject)
+        async with maker.begin() as session:  # no upstream account id
+            await store_api_key(session, keys, principal, "sk_old_one")
+        async with maker.begin() as session:  # chosen for a client
+            row = await credentials.find(
+                session, principal=principal, provider="demo", audience="mcp"
+            )
+            assert row is not None
+            await credentials.choose_account(session, principal=principal, client_id="c", row=row)
+        async with maker.begin() as session:  # granted again, now with its id: adopts the row
+            await store_api_key(session, keys, principal, "sk_new_one", account_id="42")
+    assert await count_of(db, AccountChoice, user) == 1
+
+    erased = cli(
+        "users", "erase", "--issuer", issuer, "--subject", user, config_path=broker.config_path
+    )
+
+    assert erased.returncode == 0, erased.stderr
+    assert "connections=1 revocations_queued=0 account_choices=1 flows=0" in erased.stdout
+    assert await count_of(db, AccountChoice, user) == 0
+    assert await count_of(db, Connection, user) == 0
+    assert await count_of(db, AccountChoice, bystander) == 1
+
+
+async def store_api_key(
+    session: AsyncSession, keys: Keyring, principal: Principal, key: str, account_id: str = ""
+) -> None:
+    await credentials.store(
+        session,
+        keys=keys,
+        principal=principal,
+        provider="demo",
+        audience="mcp",
+        secret={"api_key": key},
+        account_label="@octo",
+        account_id=account_id,
+    )
+
+
+async def erasure_blocked(engine: AsyncEngine, backend: int | None, first_write: Any) -> None:
+    """Until the erasure has sent its first writing statement and, on PostgreSQL, its backend
+    (`backend`) waits on a lock."""
+    await asyncio.wait_for(first_write.wait(), timeout=10)
+    if backend is None:  # SQLite: the write waits for the completion's turn (app/sqlite_gate.py)
+        return
+    waiting = text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid")
+    async with asyncio.timeout(10):
+        while True:
+            async with engine.connect() as connection:
+                if await connection.scalar(waiting, {"pid": backend}) == "Lock":
+                    return
+            await asyncio.sleep(0.02)
+
+
+async def test_erase_during_a_flow_completion_removes_the_connection_it_stores(
+    broker: BrokerProcess,
+) -> None:
+    """A completion moves its flow to completed and stores the connection in one transaction.
+    The erasure starting meanwhile waits for it (the flow's row lock on PostgreSQL, the write
+    lock on SQLite), then removes the connection it stored, instead of deleting the flow only
+    and leaving a usable credential with no revocation queued."""
+    principal = Principal(broker.config.issuer, fresh_user("erase-race"))
+    keys = Keyring.parse(tuple(broker.config.encryption))
+    engine = create_engine(broker.database_url, pool_size=3)
+    maker = create_sessionmaker(engine)
+    now = utcnow()
+    flow_id = secrets.token_hex(16)
+    try:
+        async with maker.begin() as session:
+            session.add(
+                Flow(
+                    id=flow_id,
+                    issuer=principal.issuer,
+                    subject=principal.subject,
+                    client_id="c",
+                    provider="demo",
+                    tool_name="t",
+                    args_digest="d",
+                    created_at=now,
+                    updated_at=now,
+                    expires_at=now + timedelta(minutes=10),
+                )
+            )
+        async with maker() as completion, maker() as erasing:
+            # the API-key form's transaction (app/pages/connect.py), not committed yet
+            won = await flows.transition(
+                completion,
+                flow_id=flow_id,
+                principal=principal,
+                from_statuses=(FlowStatus.pending,),
+                to_status=FlowStatus.completed,
+                event="flow.completed",
+                actor=Actor.user(principal),
+            )
+            assert won
+            await store_api_key(completion, keys, principal, "sk_stored_meanwhile")
+            backend = None
+            if engine.dialect.name == "postgresql":
+                backend = await erasing.scalar(text("SELECT pg_backend_pid()"))
+            first_write = asyncio.Event()
+
+            def note(_connection: Any, statement: Any, *_: Any) -> None:
+                if getattr(statement, "is_dml", False):
+                    first_write.set()
+
+            # before the statement waits for its turn (the gate listens before_cursor_execute)
+            event.listen(engine.sync_engine, "before_execute", note)
+
+            async def erase() -> Erased:
+                erased = await erase_user(
+                    erasing, principal=principal, sealing=keys, providers={}, hold_days=0, actor=CLI
+                )
+                await erasing.commit()
+                return erased
+
+            erasure = asyncio.create_task(erase())
+            await erasure_blocked(engine, backend, first_write)
+            assert not erasure.done()
+            await completion.commit()
+            erased = await asyncio.wait_for(erasure, timeout=20)
+
+        assert (erased.connections, erased.flows) == (1, 1)
+        for model in (Connection, Flow):
+            assert await count_of(engine, model, principal.subject) == 0
+    finally:
+        await engine.dispose()
 
 
 def test_erase_needs_both_issuer_and_subject(broker: BrokerProcess) -> None:
@@ -204,6 +361,7 @@ async def test_the_admin_api_erases_a_user_with_the_token(
     assert erased.json() == {
         "connections": 0,
         "revocations_queued": 0,
+        "account_choices": 0,
         "flows": 1,
         "sessions": 0,
         "audit_events": 1,  # flow.created: a hold of 0 days keeps nothing

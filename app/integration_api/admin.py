@@ -58,6 +58,7 @@ class ErasedUser(BaseModel):
 
     connections: int
     revocations_queued: int
+    account_choices: int
     flows: int
     sessions: int
     audit_events: int
