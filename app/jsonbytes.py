@@ -40,8 +40,10 @@ def unusable_text(document: Any, *, allow_nul: bool = False) -> str | None:
 
 
 def may_hold_unusable_text(body: bytes, *, allow_nul: bool = False) -> bool:
-    """False when the JSON text `body` holds no escape `unusable_text` could find (a NUL or a
-    surrogate can only be written as an escape); True sends it to the walk."""
+    """False when the JSON text `body` holds no escape `unusable_text` could find; True sends it
+    to the walk. In text read as strict UTF-8 a NUL or a surrogate can only be written as an
+    escape: the caller refuses any other body first (`json.loads(bytes)` decodes with
+    `surrogatepass`, and reads UTF-16 and UTF-32 too)."""
     return (not allow_nul and b"\\u0000" in body) or b"\\ud" in body or b"\\uD" in body
 
 

@@ -85,7 +85,10 @@ class ServiceRoute(ProblemRoute):
     (memory and CPU). Read here, the body also meets the cap (app/middleware.py `BodyLimit`)
     outside FastAPI's read, which would turn the 413 into a 400. A string holding a NUL or an
     unpaired surrogate is refused (422) here, for every field: FastAPI's JSON parser accepts both,
-    and a field typed `Any` would carry them to the database or to the answer.
+    and a field typed `Any` would carry them to the database or to the answer. A body that is not
+    UTF-8 is refused first, as one that is not JSON (422 `json_invalid`; RFC 8259 JSON is UTF-8):
+    FastAPI's parser (`json.loads` of the bytes) would read the bytes of a surrogate, or UTF-16,
+    into unpaired surrogates that no escape shows.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -98,15 +101,35 @@ class ServiceRoute(ProblemRoute):
                 return problem_response(request, exc)
             if self.body_field is not None:
                 body = await request.body()  # kept by the request for FastAPI's own read
-                reason = _unusable_body_text(body)
-                if reason is not None:
-                    error = {"loc": ("body",), "msg": f"Strings must not hold {reason}"}
-                    return invalid_request(
-                        request, RequestValidationError([{**error, "type": "string_unusable"}])
-                    )
+                error = _refused_body(body)
+                if error is not None:
+                    return invalid_request(request, RequestValidationError([error]))
             return await handle(request)
 
         return authenticated_first
+
+
+def _refused_body(body: bytes) -> dict[str, Any] | None:
+    """Why `body` is refused before FastAPI reads it (a validation error), or None."""
+    if not _read_as_utf8(body):
+        return {"loc": ("body",), "msg": "The body must be UTF-8 JSON", "type": "json_invalid"}
+    reason = _unusable_body_text(body)
+    if reason is not None:
+        msg = f"Strings must not hold {reason}"
+        return {"loc": ("body",), "msg": msg, "type": "string_unusable"}
+    return None
+
+
+def _read_as_utf8(body: bytes) -> bool:
+    """Whether `json.loads(body)` reads `body` as strict UTF-8, so that an unpaired surrogate can
+    only be an escape (`may_hold_unusable_text`). It decodes with `surrogatepass`, in UTF-16 or
+    UTF-32 when one of the first four bytes is a NUL: UTF-8 JSON text holds no raw NUL (control
+    characters are escaped in strings, and are no whitespace)."""
+    try:
+        body.decode("utf-8")  # strict: the bytes of a surrogate (ED A0 80) are no UTF-8
+    except UnicodeDecodeError:
+        return False
+    return b"\x00" not in body
 
 
 def _unusable_body_text(body: bytes) -> str | None:

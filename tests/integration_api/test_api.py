@@ -10,6 +10,7 @@ The K4 cases (the relayed `requestState`) live here; test_isolation.py carries t
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 import time
@@ -449,6 +450,43 @@ async def test_malformed_json_and_bad_query_are_422_problems(
 
     body = problem(response, 422, "invalid_request")
     assert body["errors"], body
+
+
+def raw_body(user: dict[str, str], capability: str, encoding: str = "utf-8") -> bytes:
+    """A require body whose `client_capabilities` string is `capability`, in `encoding` with
+    surrogates written as they are (bytes that are no UTF-8, or UTF-16 code units)."""
+    text = json.dumps(require_body(user, client_capabilities={"x": "CAPABILITY"}))
+    return text.replace("CAPABILITY", capability).encode(encoding, "surrogatepass")
+
+
+RAW_BODIES: dict[str, Callable[[dict[str, str]], bytes]] = {
+    # ED A0 80: stdlib json.loads(bytes) decodes it (surrogatepass) into a lone \ud800
+    "raw-lone-surrogate": lambda user: raw_body(user, "a\ud800b"),
+    "raw-surrogate-pair": lambda user: raw_body(user, "a\ud83d\ude00b"),
+    "not-utf-8": lambda user: raw_body(user, "a").replace(b'"a"', b'"a\xff"'),
+    # valid UTF-8 bytes (ASCII, NULs and U+0600), which json.loads reads as UTF-16: a lone \ud800
+    "utf-16-lone-surrogate": lambda user: raw_body(user, "a\ud800\u0080", "utf-16-le"),
+    "utf-16": lambda user: raw_body(user, "a", "utf-16-le"),
+}
+
+
+@pytest.mark.parametrize("case", RAW_BODIES)
+async def test_a_body_that_is_not_utf_8_json_is_a_422_problem(
+    case: str, api: ServiceApi, user_of: Any, db: AsyncEngine
+) -> None:
+    """Only UTF-8 is read (RFC 8259): surrogates as raw bytes, other bytes that are no UTF-8, and
+    JSON in another encoding are refused like a body that is not JSON, before any flow starts."""
+    user = user_of("raw-body")
+
+    response = await api.http.post(
+        "/connections/demo/require",
+        content=RAW_BODIES[case](user),
+        headers={"Content-Type": "application/json"},
+    )
+
+    body = problem(response, 422, "invalid_request")
+    assert [error["type"] for error in body["errors"]] == ["json_invalid"], body
+    assert await count_rows(db, "flows", subject=user["subject"]) == 0
 
 
 # ------------------------------------------------------------------------------------------------
