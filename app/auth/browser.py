@@ -10,7 +10,6 @@ Browsers treat http://127.0.0.1 and http://localhost as secure contexts, so this
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
@@ -22,7 +21,7 @@ from starlette.responses import Response
 
 from app.auth.principal import Principal
 from app.clock import utcnow
-from app.crypto import Digester, Keyring, hmac_digest, random_token
+from app.crypto import Digester, Keyring, constant_time_equal, hmac_digest, random_token
 from app.models import LoginSession
 
 SESSION_COOKIE = "__Host-broker_session"
@@ -104,7 +103,10 @@ class BrowserSessions:
         return hmac_digest(self._csrf_key, user.session_id)
 
     def csrf_valid(self, user: BrowserUser, token: str | None) -> bool:
-        return bool(token) and hmac.compare_digest(self.csrf_token(user), str(token))
+        """Whether `token` is this session's CSRF token. Compared as bytes: on str,
+        `hmac.compare_digest` raises for non-ASCII text, and a posted "é" must be just a wrong
+        token (403), not a 500."""
+        return bool(token) and constant_time_equal(self.csrf_token(user), str(token))
 
     async def purge(self, session: AsyncSession) -> None:
         await session.execute(delete(LoginSession).where(LoginSession.expires_at <= utcnow()))

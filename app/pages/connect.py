@@ -8,6 +8,7 @@ moves a flow; POSTs need the session's CSRF token and a same-origin request, and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -49,6 +50,9 @@ router = APIRouter(include_in_schema=False)
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 # Exchanges the provider completed without a token the broker can use (app/providers/oauth.py)
 UNUSABLE_GRANT_FAILURES = frozenset({"missing_access_token", "unsupported_token_type"})
+# A registered service's name, as `connect-broker service create` accepts it
+# (app/admin_commands.py): the audience of the connections that service made
+SERVICE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 
 class UnexpectedFields(BrokerError):
@@ -266,6 +270,8 @@ async def disconnect(
     if provider not in settings.providers:
         raise NotFound("There is no such provider.", next_step="Go back to your connections.")
     audience = posted.values.get("audience") or BROKER_AUDIENCE  # forms without it predate siblings
+    if not audience_shown(audience):
+        raise BrokerError("This connection cannot be one of yours.", next_step=BACK)
     account = posted.values.get("account") or None  # a sole unnamed account has no name
     if account is not None and not accounts_shown(account):
         raise BrokerError("This account name cannot be one of yours.", next_step=BACK)
@@ -295,6 +301,13 @@ async def disconnect(
 
 
 BACK = "Go back to your connections and use the Disconnect button on the account's row."
+
+
+def audience_shown(audience: str) -> bool:
+    """An audience as this page lists them: the broker's own, or a registered service's name.
+    Checked before any query: the form field is request input (a NUL in it would make
+    PostgreSQL refuse the statement, a 503 for what is only a wrong value)."""
+    return audience == BROKER_AUDIENCE or SERVICE_NAME.fullmatch(audience) is not None
 
 
 def accounts_shown(name: str) -> bool:

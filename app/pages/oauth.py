@@ -21,7 +21,7 @@ from app.deps import (
     SessionDep,
     SettingsDep,
 )
-from app.errors import BrokerError, NotFound
+from app.errors import DATABASE_ERRORS, BrokerError, NotFound
 from app.models import FlowStatus
 from app.pages.access import SignedInPost, flow_for_user
 from app.providers import oauth
@@ -95,7 +95,11 @@ async def callback(
     await session.commit()  # the claim is durable before the code is spent (SECURITY.md §0.4)
     provider = settings.providers[flow.provider]
     assert isinstance(provider, OAuthProviderSettings)
-    await _exchange_and_store(session, grants, flow, provider, params["code"], state, verifier)
+    try:
+        await _exchange_and_store(session, grants, flow, provider, params["code"], state, verifier)
+    except Exception:
+        await _release(session, flow)
+        raise  # still a bug (or an outage): logged and answered as such
     return _see_other(f"/connect/{flow.id}")
 
 
@@ -188,6 +192,21 @@ async def _exchange_and_store(
         return
     account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
     await grants.complete(session, flow=flow, tokens=tokens, account=account)
+
+
+async def _release(session: AsyncSession, flow: FlowView) -> None:
+    """After an unexpected error mid-exchange, undo this request's writes and put the claimed
+    flow back to `pending` (its page then says to try again) at once, instead of leaving it
+    `exchanging` until its lease runs out. When the database is what failed, the lease
+    (app/tables/flows.py `release_exchanges`) still frees the flow later."""
+    try:
+        await session.rollback()
+        await oauth_service.fail(session, flow=flow, reason="internal_error")
+        await session.commit()
+    except DATABASE_ERRORS as exc:
+        logger.warning(
+            "token_exchange.release_failed flow_id=%s error=%s", flow.id, type(exc).__name__
+        )
 
 
 REFUSALS = {

@@ -34,8 +34,13 @@ class ProbeUnavailable(Exception):
 def check_shape(provider: ApiKeyProviderSettings, key: str) -> str:
     """The key, stripped of surrounding spaces, if it may be stored.
 
+    A key goes out in an HTTP header (the probe's, and every later use of it), and headers are
+    ASCII: a printable non-ASCII key ("sk_é…", a look-alike letter pasted in) could never be
+    sent, so it is refused here, with a message, rather than failing wherever it is used.
+
     Raises:
-        KeyRejected: empty, too long, control characters, or not matching the pattern.
+        KeyRejected: empty, too long, control or non-ASCII characters, or not matching the
+            pattern.
     """
     key = key.strip()
     if not key:
@@ -44,6 +49,11 @@ def check_shape(provider: ApiKeyProviderSettings, key: str) -> str:
         raise KeyRejected(f"That {provider.label} is too long.")
     if any(not ch.isprintable() for ch in key):
         raise KeyRejected(f"That {provider.label} contains control characters.")
+    if not key.isascii():
+        raise KeyRejected(
+            f"That {provider.label} contains characters other than plain ASCII letters, digits "
+            f"and punctuation. Copy it again from {provider.display_name}."
+        )
     if not re.fullmatch(provider.pattern, key):
         raise KeyRejected(f"That does not look like a {provider.display_name} {provider.label}.")
     return key
@@ -51,6 +61,9 @@ def check_shape(provider: ApiKeyProviderSettings, key: str) -> str:
 
 async def probe(provider: ApiKeyProviderSettings, key: str, *, http: httpx2.AsyncClient) -> None:
     """Ask the provider whether the key works, when a validation request is configured.
+
+    Only the status is read: the response is streamed and closed unread, so an answer of any
+    size costs no memory (a buffered read would hold all of it before the status is looked at).
 
     Raises:
         KeyRejected: the provider answered, and not with 2xx.
@@ -61,11 +74,10 @@ async def probe(provider: ApiKeyProviderSettings, key: str, *, http: httpx2.Asyn
         return
     name, _, template = validation.header.partition(":")
     headers = {name.strip(): template.strip().replace("{api_key}", key)}
+    request = http.build_request(validation.method, validation.url, headers=headers)
     try:
         async with asyncio.timeout(validation.timeout_seconds):
-            response = await http.request(
-                validation.method, validation.url, headers=headers, follow_redirects=False
-            )
+            response = await http.send(request, stream=True, follow_redirects=False)
             await response.aclose()
     except (TimeoutError, httpx2.HTTPError) as exc:
         logger.warning(

@@ -48,9 +48,28 @@ ACCOUNT_ID = re.compile(r"[A-Za-z0-9._:@|+=/-]{1,255}")
 # A revocation answered with these finds the token already dead: what revoking it was for.
 TOKEN_GONE_ERRORS = {"invalid_auth", "token_revoked", "token_expired", "account_inactive"}
 
+# A provider's error code as the broker keeps it: RFC 6749 §5.2's codes and the providers' own
+# are short ASCII words. Anything else is kept as UNRECOGNISED_ERROR.
+ERROR_CODE = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+UNRECOGNISED_ERROR = "unrecognised"
+# The longest `expires_in` read as a lifetime (seconds, about three years)
+MAX_EXPIRES_IN = 10**8
+
 
 class InvalidGrant(UpstreamError):
     """The provider refused the code or refresh token itself (re-authorisation needed)."""
+
+
+def error_code(value: object) -> str:
+    """A provider's `error` as the broker may log, store and show it (in a failure reason, an
+    audit detail, a webhook body): one word of `ERROR_CODE`, else `unrecognised`.
+
+    The value is provider text: a line break in it would forge a log line, a NUL makes
+    PostgreSQL refuse the row that records the failure, and prose has no place in codes.
+    """
+    if isinstance(value, str) and ERROR_CODE.fullmatch(value):
+        return value
+    return UNRECOGNISED_ERROR
 
 
 @dataclass(frozen=True)
@@ -258,20 +277,22 @@ async def revoke(
         raise UpstreamError(f"revocation_status_{status}")
     refusal = _refusal_in_body(content_type, raw)
     if refusal is not None and refusal not in TOKEN_GONE_ERRORS:  # Slack: errors come in a 200
-        raise UpstreamError(f"revocation_error:{refusal[:40]}")
+        raise UpstreamError(f"revocation_error:{refusal}")
 
 
 def _refusal_in_body(content_type: str, raw: bytes) -> str | None:
-    """The error a JSON body reports (`{"ok": false, "error": …}`, `{"error": …}`), if any."""
+    """The error code a JSON body reports (`{"ok": false, "error": …}`, `{"error": …}`), if
+    any, through `error_code`."""
     if "json" not in content_type or not raw:
         return None
     try:
         body = parse_body(content_type, raw)
     except UpstreamError:  # not an error report: the status already said yes
         return None
-    if body.get("ok", True) is not False and not body.get("error"):
-        return None
-    return str(body.get("error") or "not_ok")
+    error = body.get("error")
+    if error:
+        return error_code(error)
+    return "not_ok" if body.get("ok", True) is False else None
 
 
 def _client_form(provider: OAuthProviderSettings) -> dict[str, str]:
@@ -316,11 +337,38 @@ async def _token_request(
         raise
     error = body.get("error")
     if error:
-        kind = InvalidGrant if str(error) in INVALID_GRANT_ERRORS else UpstreamError
-        raise kind(f"provider_error:{str(error)[:40]}")
+        code = error_code(error)
+        kind = InvalidGrant if code in INVALID_GRANT_ERRORS else UpstreamError
+        raise kind(f"provider_error:{code}")
     if not 200 <= status < 300:
         raise UpstreamError(f"token_status_{status}")
     return body
+
+
+def _expires_at(provider: OAuthProviderSettings, expires_in: Any) -> datetime | None:
+    """When the access token stops working: `expires_in` seconds from now, for a whole number
+    from 1 to MAX_EXPIRES_IN, as a JSON integer or a string of ASCII digits (some providers
+    quote it). Anything else (zero, negative, fractional, other digits, a number so large the
+    date would overflow) counts as no expiry, as when a provider sends none, and is logged: the
+    token itself was granted, and a lifetime the broker cannot use is no reason to refuse it."""
+    if expires_in is None:
+        return None
+    seconds = expires_in
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit() and len(seconds) < 10:
+        seconds = int(seconds)
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        seconds = 0
+    if not 0 < seconds <= MAX_EXPIRES_IN:
+        logger.warning("oauth.expires_in_unusable provider=%s", provider.display_name)
+        return None
+    return datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def _sendable(token: str) -> bool:
+    """A token that can go in an `Authorization: Bearer` header as it is: visible ASCII only
+    (RFC 6750 §2.1's b64token is narrower still). Anything else would fail the first call that
+    uses it, after the broker stored it."""
+    return token.isascii() and token.isprintable() and " " not in token
 
 
 def _token_set(
@@ -335,14 +383,13 @@ def _token_set(
     access_token = fields.get("access_token")
     if not isinstance(access_token, str) or not access_token:
         raise UpstreamError("missing_access_token")
-    token_type = str(fields.get("token_type", "bearer"))
-    if token_type.lower() not in provider.token_types:
+    if not _sendable(access_token):
+        raise UpstreamError("malformed_access_token")
+    token_type = fields.get("token_type", "bearer")
+    if not isinstance(token_type, str) or token_type.lower() not in provider.token_types:
         raise UpstreamError("unsupported_token_type")
     refresh_token = fields.get("refresh_token")
-    expires_in = fields.get("expires_in")
-    expires_at = None
-    if isinstance(expires_in, int | float | str) and str(expires_in).isdigit():
-        expires_at = datetime.now(UTC) + timedelta(seconds=int(expires_in))
+    expires_at = _expires_at(provider, fields.get("expires_in"))
     granted = fields.get("scope")
     if isinstance(granted, str):
         scopes = frozenset(s for s in granted.replace(",", " ").split() if is_scope_token(s))

@@ -68,12 +68,20 @@ async def send_capped(
 
 
 def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
-    """A JSON object, or a form-encoded body (some token endpoints answer so) as a dict."""
+    """A JSON object, or a form-encoded body (some token endpoints answer so) as a dict.
+
+    JSON nested deeper than the parser's recursion limit (64 KiB of `[` is enough) is as
+    unusable as any other malformed body: RecursionError is not a ValueError, and escaping here
+    it would be a 500 that leaves a flow mid-exchange.
+
+    Raises:
+        UpstreamError: `malformed_response`.
+    """
     try:
         if "application/x-www-form-urlencoded" in content_type:
             return dict(parse_qsl(raw.decode("utf-8"), strict_parsing=True))
         document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise UpstreamError("malformed_response") from None
     if not isinstance(document, dict):
         raise UpstreamError("malformed_response")

@@ -41,20 +41,25 @@ KEY = "sk_CANARYKEY_form_0001"
 GOOD_KEY = "pk_CANARYKEY_good_0001"
 BAD_KEY = "pk_CANARYKEY_refused_0001"
 SLOW_KEY = "pk_CANARYKEY_slow_0001"
+HUGE_KEY = "pk_CANARYKEY_huge_0001"
 INJECTION = "\r\nX-Injected: 1"
+HUGE_BODY_BYTES = 256 * 1024 * 1024  # what the provider offers with its refusal of HUGE_KEY
+CHUNK = b"x" * (1024 * 1024)
 
 
 class LocalHttp:
     """A loopback HTTP/1.1 server that records each request's Authorization header.
 
     Answers 200 for GOOD_KEY and 401 otherwise; a request for SLOW_KEY is held until `release`
-    is set (bounded). Used as the fake provider behind the validation probe, and as a canary
-    that must never be contacted.
+    is set (bounded); HUGE_KEY's 401 comes with a body of HUGE_BODY_BYTES, sent as long as the
+    client reads (`huge_sent`: what the client took before it hung up). Used as the fake provider
+    behind the validation probe, and as a canary that must never be contacted.
     """
 
     def __init__(self) -> None:
         self.connections = 0
         self.authorizations: list[str] = []
+        self.huge_sent: list[int] = []
         self.release = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -95,6 +100,9 @@ class LocalHttp:
             if authorization == f"Bearer {SLOW_KEY}":
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.release.wait(), 10)
+            if authorization == f"Bearer {HUGE_KEY}":
+                await self._huge_refusal(writer)
+                return
             status = "200 OK" if authorization == f"Bearer {GOOD_KEY}" else "401 Unauthorized"
             writer.write(f"HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n".encode())
             await writer.drain()
@@ -105,6 +113,21 @@ class LocalHttp:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
             self._handlers.discard(task)
+
+    async def _huge_refusal(self, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            f"HTTP/1.1 401 Unauthorized\r\nContent-Length: {HUGE_BODY_BYTES}\r\n\r\n".encode()
+        )
+        sent = 0
+        try:
+            while sent < HUGE_BODY_BYTES:
+                writer.write(CHUNK)
+                await asyncio.wait_for(writer.drain(), 5)
+                sent += len(CHUNK)
+        except (ConnectionError, TimeoutError):
+            pass
+        finally:
+            self.huge_sent.append(sent)
 
 
 async def database_dump(db: AsyncEngine) -> str:
@@ -319,8 +342,8 @@ class Probe:
     db: AsyncEngine
     user: str = field(default_factory=lambda: unique("alice-probe"))
 
-    async def open(self) -> str:
-        flow_id = await open_flow(self.mcp, self.stack.token(self.user), provider="probe")
+    async def open(self, provider: str = "probe") -> str:
+        flow_id = await open_flow(self.mcp, self.stack.token(self.user), provider=provider)
         await self.browser.login_as(self.user)
         return flow_id
 
@@ -341,9 +364,13 @@ def probe_provider(provider: LocalHttp, timeout_seconds: float) -> dict[str, Any
 
 @pytest.fixture(scope="module")
 async def probe_stack(workdir: Path) -> AsyncIterator[tuple[Stack, LocalHttp]]:
+    """`probe`, and `loose`: the same probe behind the default pattern (any 8-512 characters
+    but spaces, non-ASCII letters included)."""
     async with LocalHttp() as provider:
         probe = probe_provider(provider, timeout_seconds=1)
-        with running_stack(workdir, "probe", providers={"probe": probe}) as stack:
+        loose = {k: v for k, v in probe.items() if k != "pattern"} | {"display_name": "Loose"}
+        providers = {"probe": probe, "loose": loose}
+        with running_stack(workdir, "probe", providers=providers) as stack:
             yield stack, provider
 
 
@@ -403,6 +430,47 @@ async def test_g7_provider_that_does_not_answer_in_time_gets_a_502_and_nothing_i
     assert elapsed < 2.5
     assert "could not be reached" in response.text
     assert f"Bearer {SLOW_KEY}" in probe.provider.authorizations
+    assert await connections_of(probe.db, probe.user) == []
+    assert (await flow_snapshot(probe.db, flow_id))["status"] == "pending"
+
+
+async def test_g7_probe_reads_no_body_of_the_providers_answer(probe: Probe) -> None:
+    """G7/T21. The status is the answer: a refusal that comes with 256 MB is closed unread (a
+    buffered read held it all in the broker's memory, or ran into the deadline: a 502)."""
+    flow_id = await probe.open()
+    probe.provider.huge_sent.clear()
+
+    response = await submit_key(probe.browser, flow_id, HUGE_KEY)
+    async with asyncio.timeout(10):  # the fake notices the hang-up on its next write
+        while not probe.provider.huge_sent:
+            await asyncio.sleep(0.02)
+
+    assert response.status_code == 400
+    assert "Probe did not accept this API key" in response.text
+    (sent,) = probe.provider.huge_sent
+    assert sent < 32 * 1024 * 1024  # what socket buffers hold, not what the provider offered
+    assert await connections_of(probe.db, probe.user) == []
+    assert (await flow_snapshot(probe.db, flow_id))["status"] == "pending"
+
+
+async def test_g6_non_ascii_key_is_refused_with_a_clear_message_before_the_probe(
+    probe: Probe,
+) -> None:
+    """G6. A key goes out in HTTP headers, which are ASCII: a printable non-ASCII key the
+    provider's pattern lets through is refused with a message saying why (it was a 500 when
+    the probe tried to send it), the provider is not asked, and the form stays usable."""
+    flow_id = await probe.open("loose")
+    calls = len(probe.provider.authorizations)
+    key = "sk_\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9"
+
+    response = await submit_key(probe.browser, flow_id, key)
+
+    assert response.status_code == 400
+    assert "contains characters other than plain ASCII" in response.text
+    assert "Copy it again from Loose" in response.text
+    assert 'name="api_key"' in response.text
+    assert key not in response.text
+    assert len(probe.provider.authorizations) == calls
     assert await connections_of(probe.db, probe.user) == []
     assert (await flow_snapshot(probe.db, flow_id))["status"] == "pending"
 

@@ -21,7 +21,7 @@ from app.db import create_engine, create_sessionmaker
 from app.models import Flow, LoginSession
 
 from ..conftest import DEMO_PROVIDER
-from ..support.broker import BrokerConfig, BrokerProcess, cli
+from ..support.broker import BrokerConfig, BrokerProcess, LogWindow, cli
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
     IdpProcess,
@@ -245,7 +245,7 @@ async def test_d6_completed_flow_revisited_shows_connected_not_the_form(
         assert 'name="api_key"' not in page.text
 
 
-@pytest.mark.parametrize("csrf", ["missing", "other-session"])
+@pytest.mark.parametrize("csrf", ["missing", "other-session", "non-ascii"])
 @pytest.mark.parametrize("action", ["api-key", "decline"])
 async def test_d7_posts_without_this_sessions_csrf_token_are_refused(
     action: str,
@@ -256,7 +256,8 @@ async def test_d7_posts_without_this_sessions_csrf_token_are_refused(
     second_browser: Browser,
     db: AsyncEngine,
 ) -> None:
-    """D7/T20. Both flow-moving POSTs need the token of the session that sends them."""
+    """D7/T20. Both flow-moving POSTs need the token of the session that sends them; a token
+    that is not even ASCII is just as wrong (403, not a 500)."""
     owner, other = unique("alice-d7"), unique("bob-d7")
     flow_id = await open_flow(mcp, token_for(owner))
     await browser.login_as(owner)
@@ -264,6 +265,8 @@ async def test_d7_posts_without_this_sessions_csrf_token_are_refused(
     data = {"api_key": KEY} if action == "api-key" else {}
     if csrf == "other-session":
         data["csrf"] = await second_browser.csrf_token("/connections")
+    if csrf == "non-ascii":
+        data["csrf"] = "\u00e9" * 43
     before = await flow_snapshot(db, flow_id)
 
     response = await browser.post(f"/connect/{flow_id}/{action}", data=data)
@@ -653,6 +656,39 @@ async def test_connections_made_by_sibling_servers_are_listed_and_removed_one_by
     assert "sk_sibling_key_1" not in page.text and KEY not in page.text
     assert removed.status_code == 303
     assert [row["audience"] for row in await connections_of(db, user)] == ["mcp"]
+
+
+BAD_AUDIENCES = {"nul": "a\x00b", "upper-case": "Notes-Svc", "too-long": "n" * 65, "line": "mcp\n"}
+
+
+@pytest.mark.parametrize("audience", BAD_AUDIENCES.values(), ids=BAD_AUDIENCES.keys())
+async def test_disconnect_naming_an_audience_no_connection_has_is_refused_with_a_page(
+    audience: str,
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    broker: BrokerProcess,
+    db: AsyncEngine,
+) -> None:
+    """The form's `audience` is request input: a value that is neither the broker's nor a
+    service name gets a page saying so before any query (a NUL made PostgreSQL refuse the
+    statement: a 503 and a false `database.unavailable` alarm). Nothing is removed."""
+    user = unique("alice-dxa")
+    flow_id = await open_flow(mcp, token_for(user))
+    await browser.login_as(user)
+    await submit_key(browser, flow_id, KEY)
+    csrf = await browser.csrf_token("/connections")
+    log = LogWindow(broker)
+
+    response = await browser.post(
+        "/connections/demo/disconnect", data={"csrf": csrf, "audience": audience}
+    )
+
+    assert response.status_code == 400
+    assert "This connection cannot be one of yours." in response.text
+    assert "Go back to your connections" in response.text
+    assert len(await connections_of(db, user)) == 1
+    assert "database.unavailable" not in log.text()
 
 
 async def test_disconnect_without_the_csrf_token_keeps_the_connection(
