@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -40,10 +39,10 @@ from app.providers.settings import (
     ProviderSettings,
     provider_settings_adapter,
 )
+from app.urls import validate_public_url
 from app.webhooks.settings import RETENTION_FLOOR_DAYS, WebhookSettings
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 class _Section(BaseModel):
@@ -291,33 +290,6 @@ class Settings:
         """How pages name a sibling service: its configured `display_name`, else its name."""
         service = self.services.get(name)
         return display_text(service.display_name if service and service.display_name else name)
-
-
-def validate_public_url(value: str) -> str:
-    """Accept only an absolute http(s) origin-plus-path we can safely put in elicitation URLs."""
-    if not value.isascii():
-        raise ValueError("must be ASCII (a look-alike host is refused; use the punycode form?)")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("must be an absolute http(s) URL")
-    if parts.username or parts.password:
-        raise ValueError("must not contain user info")
-    if parts.query or parts.fragment or value.endswith(("?", "#")):
-        raise ValueError("must not contain a query or fragment")
-    if any(label.startswith("xn--") for label in parts.hostname.split(".")):
-        raise ValueError("punycode (xn--) hosts are refused: they can imitate another name")
-    if parts.scheme == "http" and not _is_loopback(parts.hostname):
-        raise ValueError("must use https (http is allowed only for loopback hosts)")
-    return value.rstrip("/")
-
-
-def _is_loopback(host: str) -> bool:
-    if host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_settings(

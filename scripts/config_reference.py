@@ -107,7 +107,9 @@ MEANINGS: dict[str, str] = {
     "database.pool_size": "database connections per process: this many (and as many again as "
     "overflow) for SQLAlchemy, and on PostgreSQL up to this many for the hot-path statements",
     "identity.issuer": "required by `serve`: the OpenID provider whose JWT access tokens `/mcp` "
-    "accepts (discovery and JWKS)",
+    "accepts (discovery and JWKS). Write it exactly as the IdP's discovery document names it: a "
+    "document naming another issuer, or an endpoint that is not https (or http to a loopback "
+    "host), is refused and logged as `jwks.metadata_refused`",
     "identity.audience": "required `aud` of access tokens; empty means `<public_url>/mcp`",
     "identity.identity_claim": "claim naming the user (`oid` for Entra ID); never an email",
     "identity.login_client_id": "required by `serve`: the broker's own login client at the "
@@ -168,7 +170,8 @@ MEANINGS: dict[str, str] = {
     "providers.<name>.revocation_url": "RFC 7009 revocation endpoint, called on disconnect",
     "providers.<name>.revocation": "`rfc7009`, `github` (its grant API) or `none`",
     "providers.<name>.issuer": "`oidc` only: discovery, ID-token checks (issuer, audience, "
-    "nonce), RFC 9207 `iss` check",
+    "nonce), RFC 9207 `iss` check; its discovery document must name exactly this issuer, and "
+    "https (or loopback) endpoints",
     "providers.<name>.api_base_url": "base URL of the provider's API, for tools that call it",
     "providers.<name>.scopes": "scopes asked for by default (`oidc` must include `openid`)",
     "providers.<name>.scope_separator": "how scopes are joined in the authorize request",

@@ -5,12 +5,17 @@
 - An unknown `kid` triggers at most one refetch per `cooldown` (A2, A11), behind one lock so
   concurrent misses cause one fetch.
 - Only HTTPS (or loopback HTTP) URLs from the issuer's own metadata are fetched; token headers such
-  as `jku`/`x5u` are never followed.
+  as `jku`/`x5u` are never followed. A discovery document is used only if it names exactly the
+  configured issuer (OpenID Connect Discovery 1.0 §4.3) and each URL of it the broker uses passes
+  the rule configured URLs pass (`check_metadata`); otherwise it is refused as a failed refresh.
+- A document is read up to MAX_DOCUMENT_BYTES (counted as it arrives) and must be a JSON object;
+  one nested too deeply to parse is as unusable as one that is not JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -19,13 +24,50 @@ import httpx2
 from joserfc.errors import JoseError
 from joserfc.jwk import KeySet
 
+from app.urls import validate_public_url
+
 logger = logging.getLogger("broker.auth")
 
 MAX_DOCUMENT_BYTES = 256 * 1024
+# The discovery document's URLs the broker uses: keys are fetched from the first, browsers sent to
+# the second, codes (and the client secret) sent to the third. Only `jwks_uri` must be present.
+DISCOVERED_URLS = ("jwks_uri", "authorization_endpoint", "token_endpoint")
 
 
 class JwksUnavailable(Exception):
     """No keys could be obtained and none are cached."""
+
+
+class MetadataRefused(Exception):
+    """A discovery document the broker must not use. `reason` names the member and the rule,
+    never a value from the document, so it is safe to log."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def check_metadata(metadata: dict[str, object], issuer: str) -> None:
+    """A discovery document is usable only if its `issuer` is exactly the configured `issuer`
+    (OpenID Connect Discovery 1.0 §4.3) and every URL of DISCOVERED_URLS it holds passes the
+    rule of the configured URLs (`validate_public_url`: https, or http to a loopback host; no user
+    info, query or fragment).
+
+    Raises:
+        MetadataRefused: the first fault found.
+    """
+    if metadata.get("issuer") != issuer:
+        raise MetadataRefused("issuer: not exactly the configured issuer (Discovery 1.0 §4.3)")
+    for name in DISCOVERED_URLS:
+        value = metadata.get(name)
+        if value is None and name != "jwks_uri":
+            continue
+        if not isinstance(value, str):
+            raise MetadataRefused(f"{name}: missing or not a string")
+        try:
+            validate_public_url(value)
+        except ValueError as exc:
+            raise MetadataRefused(f"{name}: {exc}") from None
 
 
 class JwksCache:
@@ -38,7 +80,8 @@ class JwksCache:
         cooldown: float = 30,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._issuer = issuer.rstrip("/")
+        self._issuer = issuer  # as configured: what the discovery document must name exactly
+        self._discovery_url = f"{issuer.rstrip('/')}/.well-known/openid-configuration"
         self._http = http
         self._ttl = ttl
         self._cooldown = cooldown
@@ -73,10 +116,11 @@ class JwksCache:
         return self._keys
 
     async def metadata(self) -> dict[str, object]:
-        """The issuer's OIDC discovery document (cached with the keys).
+        """The issuer's OIDC discovery document (cached with the keys), as `check_metadata`
+        passed it: it names this issuer, and the URLs of DISCOVERED_URLS it holds are safe to use.
 
         Raises:
-            JwksUnavailable: never fetched and the issuer is unreachable.
+            JwksUnavailable: no usable document yet (issuer unreachable, or its document refused).
         """
         if self._metadata is None:
             await self.keys_for(None)
@@ -87,12 +131,14 @@ class JwksCache:
     async def _refresh(self) -> None:
         self._attempted_at = self._clock()
         try:
-            metadata = await self._get_json(f"{self._issuer}/.well-known/openid-configuration")
-            jwks_uri = metadata.get("jwks_uri")
-            if not isinstance(jwks_uri, str):
-                raise ValueError("issuer metadata has no jwks_uri")
-            document = await self._get_json(jwks_uri)
+            metadata = await self._get_json(self._discovery_url)
+            check_metadata(metadata, self._issuer)
+            document = await self._get_json(str(metadata["jwks_uri"]))
             keys = KeySet.import_key_set(document)  # type: ignore[arg-type]
+        except MetadataRefused as exc:
+            # nothing the document names is fetched: the operator learns which member is wrong
+            logger.warning("jwks.metadata_refused issuer=%s reason=%s", self._issuer, exc.reason)
+            return
         except (httpx2.HTTPError, JoseError, ValueError, TypeError, KeyError) as exc:
             # JoseError: a key set the library rejects (e.g. a truncated key) is a failed refresh
             # too; letting it escape would turn a JWKS problem into 500s instead of keeping keys.
@@ -105,11 +151,25 @@ class JwksCache:
         self._fetched_at = self._clock()
 
     async def _get_json(self, url: str) -> dict[str, object]:
-        response = await self._http.get(url, headers={"Accept": "application/json"})
-        response.raise_for_status()
-        if len(response.content) > MAX_DOCUMENT_BYTES:
-            raise ValueError("document too large")
-        document = response.json()
+        """The JSON object at `url`, its body read only up to MAX_DOCUMENT_BYTES.
+
+        Raises:
+            httpx2.HTTPError: no answer, or not a 2xx one.
+            ValueError: too large, not JSON (or nested too deeply to parse), not an object.
+        """
+        chunks: list[bytes] = []
+        size = 0
+        async with self._http.stream("GET", url, headers={"Accept": "application/json"}) as answer:
+            answer.raise_for_status()
+            async for chunk in answer.aiter_bytes():  # decoded bytes: a compressed body too
+                size += len(chunk)
+                if size > MAX_DOCUMENT_BYTES:
+                    raise ValueError("document too large")
+                chunks.append(chunk)
+        try:
+            document = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ValueError("document nested too deeply") from None
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return document

@@ -117,10 +117,13 @@ class OAuthGrants:
         return f"{self._public_url}/oauth/{provider_name}/callback"
 
     async def endpoints(self, provider: OAuthProviderSettings) -> Endpoints:
-        """Configured endpoints, or those an `oidc` provider's discovery document names.
+        """Configured endpoints, or those an `oidc` provider's discovery document names. The
+        document is one `check_metadata` passed (app/auth/jwks.py): it names exactly the
+        configured issuer, and its endpoints pass the rule of configured URLs (https, or http to
+        loopback); a document that does not is refused and logged, never used.
 
         Raises:
-            oauth.UpstreamError: discovery failed.
+            oauth.UpstreamError: discovery failed, or its document was refused.
         """
         if provider.authorize_url and provider.token_url:
             return Endpoints(provider.authorize_url, provider.token_url)

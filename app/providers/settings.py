@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ from pydantic import (
 )
 
 from app.display import display_text
+from app.urls import is_loopback_host
 
 
 class _Provider(BaseModel):
@@ -105,13 +105,7 @@ HTTP_URL = re.compile(r"^https?://[^\s/?#@]+(/[^\s#]*)?$")
 
 
 def _is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(urlsplit(url).hostname or "")
 
 
 class OAuthProviderSettings(_Provider):
