@@ -22,12 +22,14 @@ from joserfc.jwt import JWTClaimsRegistry
 
 from app.auth.jwks import JwksCache, JwksUnavailable
 from app.auth.principal import McpCaller, Principal
+from app.storable import unstorable_reason
 
 logger = logging.getLogger("broker.auth")
 
 MAX_TOKEN_LENGTH = 16 * 1024
 CACHE_SIZE = 10_000
 LEEWAY_SECONDS = 60
+MAX_CLAIM_LENGTH = 255  # the subject and client id columns (String(255))
 
 
 class InvalidToken(Exception):
@@ -158,13 +160,15 @@ class TokenVerifier:
         claims = decoded.claims
         self._validate(claims)
         subject = claims.get(self._identity_claim)
-        if not isinstance(subject, str) or not subject:
+        if not isinstance(subject, str) or not _storable(subject):
             raise InvalidToken("identity_claim")
-        client_id = claims.get("client_id") or claims.get("azp") or ""
+        client_id = str(claims.get("client_id") or claims.get("azp") or "")[:MAX_CLAIM_LENGTH]
+        if unstorable_reason(client_id):
+            raise InvalidToken("client_id")
         return _Verified(
             caller=McpCaller(
                 principal=Principal(issuer=self._issuer, subject=subject),
-                client_id=str(client_id)[:255],
+                client_id=client_id,
                 scopes=_scopes(claims),
             ),
             expires_at=float(claims["exp"]),
@@ -183,6 +187,13 @@ class TokenVerifier:
             raise InvalidToken("expired", expired=True) from None
         except (JoseError, ValueError, TypeError) as exc:
             raise _claim_refused(exc) from None
+
+
+def _storable(subject: str) -> bool:
+    """Whether the identity claim can be the subject of a stored principal: 1-255 characters
+    (the columns' width) of text the database takes (app/storable.py). Refused here, such a
+    claim is an invalid token; let through, it would fail the first statement that stores it."""
+    return 0 < len(subject) <= MAX_CLAIM_LENGTH and unstorable_reason(subject) is None
 
 
 def _scopes(claims: dict[str, object]) -> frozenset[str]:
