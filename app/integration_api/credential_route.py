@@ -10,7 +10,9 @@ The order is that of the other /api/v1 routes (`ServiceRoute`): the service secr
 or 429 for an address past its failed authentications), then the query (422), then provider,
 user and connection. A service that proves its users with their tokens (`user_proof = "token"`)
 is refused (403) before the named user's credential is opened: it uses the exchange at
-/api/v1/token.
+/api/v1/token. A provider not configured never reaches a statement (SECURITY.md L6): the service
+is then authenticated by its secret's digest alone (401 still comes first) and the answer is
+404; a configured one is read together with the service and its connection, in one statement.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from app.integration_api.broker import (
 from app.integration_api.problems import (
     InvalidServiceCredentials,
     NotConnected,
+    UnknownProvider,
     UserProofRequired,
     invalid_request,
     problem_response,
@@ -182,6 +185,13 @@ class CredentialFetch:
             secrets.verified(address, digests, service)
             raise
         provider: str = scope["path_params"]["provider"]
+        if provider not in self.settings.providers:  # never a statement with unchecked input
+            service = secrets.verified(
+                address, digests, await services.authenticate(secrets.store, digests)
+            )
+            if self.proofs.required(service.name):
+                raise UserProofRequired()
+            raise UnknownProvider()
         principal = Principal(issuer, subject)
         found = await services.authenticate_with_own_connection(
             secrets.store, digests, principal=principal, provider=provider
