@@ -22,21 +22,10 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..support.broker import BrokerProcess, LogWindow
-from ..support.clients import McpHttp, request_body
+from ..support.clients import McpHttp
+from .test_bearer import connect_body, flow_ids
 
 pytestmark = pytest.mark.both_databases
-
-
-def connect_body() -> dict[str, Any]:
-    """Round 1 of connect_account: run, it inserts a flow for the caller."""
-    return request_body(
-        "tools/call", {"name": "connect_account", "arguments": {"provider": "demo"}}
-    )
-
-
-async def flow_ids(db: AsyncEngine) -> set[str]:
-    async with db.connect() as connection:
-        return set((await connection.execute(text("SELECT id FROM flows"))).scalars())
 
 
 def assert_invalid_token(response: httpx2.Response) -> None:
