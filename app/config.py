@@ -147,6 +147,7 @@ class IdentitySettings(_Section):
     # scope is required: a client that is told nothing guesses, or asks for none.
     default_scopes: tuple[str, ...] = ("openid",)
     algorithms: tuple[str, ...] = ("RS256", "PS256", "ES256", "EdDSA")
+    require_at_jwt: bool = False
     jwks_refresh_cooldown_seconds: float = Field(default=30, ge=1, le=3600)
 
     @property

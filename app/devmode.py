@@ -104,6 +104,7 @@ def dev_settings(data_dir: Path, state: dict[str, Any]) -> Settings:
             "database.url": f"sqlite:///{data_dir.resolve() / 'dev.db'}",
             "identity.issuer": f"{public_url}/dev-idp",
             "identity.login_client_id": DEV_CLIENT_ID,
+            "identity.require_at_jwt": True,  # its access tokens are RFC 9068's
             "identity.login_client_secret": state["login_secret"],
             "keys.signing": [state["signing"]],
             "keys.encryption": [state["encryption"]],

@@ -201,6 +201,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
                 identity_claim=settings.identity.identity_claim,
                 algorithms=settings.identity.algorithms,
                 jwks=identity_issuer,
+                require_at_jwt=settings.identity.require_at_jwt,
             ),
             security=security,
             limits=limits,

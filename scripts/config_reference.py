@@ -120,6 +120,10 @@ MEANINGS: dict[str, str] = {
     "identity.required_scopes": "scopes every access token must carry (else 403 "
     "`insufficient_scope`)",
     "identity.algorithms": "JWS algorithms accepted on access tokens",
+    "identity.require_at_jwt": "accept only tokens whose header says `typ: at+jwt` (RFC 9068 "
+    "access tokens): turn it on when the IdP issues them, so that no other JWT it "
+    "signs (an ID token, a logout token) passes for an access token even with a matching "
+    "audience. The development IdP and node `oidc-provider` issue them",
     "identity.jwks_refresh_cooldown_seconds": "a token signed with a key id the cached JWKS "
     "lacks refetches it at most once in this time (the last good keys stay in use meanwhile): "
     "shorter picks up a rotated key sooner, longer bounds what a flood of made-up key ids costs "

@@ -76,9 +76,11 @@ class TokenVerifier:
         identity_claim: str,
         algorithms: tuple[str, ...],
         jwks: JwksCache,
+        require_at_jwt: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._issuer = issuer
+        self._require_at_jwt = require_at_jwt
         self._audience = audience
         self._identity_claim = identity_claim
         self._algorithms = list(algorithms)
@@ -148,6 +150,8 @@ class TokenVerifier:
             raise InvalidToken("malformed") from None
         if header.get("alg") not in self._algorithms:
             raise InvalidToken("algorithm")
+        if self._require_at_jwt and not _is_at_jwt(header.get("typ")):
+            raise InvalidToken("typ")
         kid = header.get("kid")
         try:
             keys = await self._jwks.keys_for(kid if isinstance(kid, str) else None)
@@ -187,6 +191,15 @@ class TokenVerifier:
             raise InvalidToken("expired", expired=True) from None
         except (JoseError, ValueError, TypeError) as exc:
             raise _claim_refused(exc) from None
+
+
+def _is_at_jwt(typ: object) -> bool:
+    """RFC 9068 §2.1: an access token's `typ` is `at+jwt`; RFC 7515 §4.1.9 lets it be written
+    as the full media type, and media types compare without regard to case."""
+    if not isinstance(typ, str):
+        return False
+    value = typ.lower()
+    return value in ("at+jwt", "application/at+jwt")
 
 
 def _storable(subject: str) -> bool:

@@ -100,6 +100,7 @@ def user_proofs(settings: Settings, jwks: JwksCache, security: SecurityLog) -> U
             identity_claim=identity.identity_claim,
             algorithms=identity.algorithms,
             jwks=jwks,
+            require_at_jwt=identity.require_at_jwt,
         )
         for name, service in settings.services.items()
         if service.user_proof == "token" and service.token_audience is not None

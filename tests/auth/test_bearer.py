@@ -231,6 +231,14 @@ def issuer_broker(local_issuer: LocalIssuer, workdir: Path) -> Iterator[BrokerPr
 
 
 @pytest.fixture
+def at_jwt_broker(local_issuer: LocalIssuer, workdir: Path) -> Iterator[BrokerProcess]:
+    """`issuer_broker` with `identity.require_at_jwt` on."""
+    config = BrokerConfig(issuer=local_issuer.url, extra={"identity": {"require_at_jwt": True}})
+    with running_broker(config, workdir, name="at-jwt") as process:
+        yield process
+
+
+@pytest.fixture
 async def issuer_mcp(issuer_broker: BrokerProcess) -> AsyncIterator[McpHttp]:
     client = McpHttp(issuer_broker.mcp_url)
     yield client
@@ -310,6 +318,7 @@ async def test_access_token_issued_by_the_idp_is_accepted(
 
     assert response.status_code == 200, response.text
     validate_response(response.json(), "DiscoverResult")
+    assert unverified_jwt(token)[0]["typ"] == "at+jwt"  # what identity.require_at_jwt asks
 
 
 @pytest.mark.parametrize(
@@ -691,3 +700,36 @@ async def test_a12_unusable_jwks_document_is_an_idp_outage_not_a_crash(
     assert response.headers["retry-after"]
     assert response.json()["error"] == "temporarily_unavailable"
     assert await issuer_broker.log_shows("jwks.refresh_failed")
+
+
+TYPES = {"at+jwt": "at+jwt", "media-type": "application/AT+JWT", "jwt": "JWT", "none": None}
+
+
+@pytest.mark.parametrize("typ", TYPES.values(), ids=TYPES.keys())
+async def test_t8_with_require_at_jwt_only_an_access_token_typ_is_served(
+    local_issuer: LocalIssuer, at_jwt_broker: BrokerProcess, typ: str | None
+) -> None:
+    """T8 (RFC 9068 §4): with `identity.require_at_jwt`, a JWT the IdP signed for the broker's
+    audience is served only if its header calls it an access token; the media type's full form
+    and case do not matter."""
+    token = local_token(local_issuer, at_jwt_broker, header={"typ": typ})
+    mcp = McpHttp(at_jwt_broker.mcp_url)
+    try:
+        response = await discover(mcp, token)
+    finally:
+        await mcp.aclose()
+
+    if typ is not None and typ.lower().endswith("at+jwt"):
+        assert response.status_code == 200, response.text
+    else:
+        assert_invalid_token(response, at_jwt_broker, token)
+
+
+async def test_t8_without_require_at_jwt_another_typ_is_served(
+    local_issuer: LocalIssuer, issuer_broker: BrokerProcess, issuer_mcp: McpHttp
+) -> None:
+    """The default: an IdP that does not issue RFC 9068 tokens still works (its `typ` is `JWT`
+    or none); issuer, audience, expiry and signature are checked as ever."""
+    token = local_token(local_issuer, issuer_broker, header={"typ": "JWT"})
+
+    assert (await discover(issuer_mcp, token)).status_code == 200
