@@ -336,13 +336,19 @@ async def choose_account(
     session: AsyncSession, *, principal: Principal, client_id: str, row: Connection
 ) -> None:
     """Remember `row`'s account as the principal's choice for the client, and make it the
-    default account (the most recently selected)."""
+    default account (the most recently selected).
+
+    The connection first: a connection removed meanwhile (disconnected, erased) leaves no choice
+    behind, and the locks are taken in the order removals take them (connection, then choices).
+    """
     dialect = session.bind.dialect.name if session.bind else "sqlite"
     now = utcnow()
+    selected = await session.execute(connections_table.select_account(row.id, now))
+    if not getattr(selected, "rowcount", 0):
+        return
     await session.execute(
         choices_table.remember(dialect, principal, client_id, row.provider, row.account_id, now)
     )
-    await session.execute(connections_table.select_account(row.id, now))
 
 
 async def remove(session: AsyncSession, row: Connection) -> bool:

@@ -193,6 +193,29 @@ async def test_erase_deletes_every_account_choice_of_the_user(
     assert await count_of(db, AccountChoice, bystander) == 1
 
 
+async def test_a_choice_of_a_connection_removed_meanwhile_is_not_written(
+    broker: BrokerProcess, db: AsyncEngine
+) -> None:
+    """A client's choice made while the connection is being removed (an erasure, a disconnect)
+    would outlive the erasure of its user: the choice is written only if the connection is
+    still there, after it (the order removals lock them in)."""
+    principal = Principal(broker.config.issuer, fresh_user("choice-late"))
+    keys = Keyring.parse(tuple(broker.config.encryption))
+    maker = create_sessionmaker(db)
+    async with maker.begin() as session:
+        await store_api_key(session, keys, principal, "sk_soon_gone", account_id="7")
+    async with maker.begin() as session:
+        row = await credentials.find(session, principal=principal, provider="demo", audience="mcp")
+        assert row is not None
+    async with maker.begin() as session:
+        assert await credentials.remove(session, row)
+
+    async with maker.begin() as session:
+        await credentials.choose_account(session, principal=principal, client_id="c", row=row)
+
+    assert await count_of(db, AccountChoice, principal.subject) == 0
+
+
 async def store_api_key(
     session: AsyncSession, keys: Keyring, principal: Principal, key: str, account_id: str = ""
 ) -> None:

@@ -15,9 +15,10 @@ the flows waits for a completion in progress (PostgreSQL: its flow's row lock; S
 lock), so its connection is there when the connections are read; a completion after it finds no
 flow and stores nothing. Read first, the connections would miss that one, left usable with no
 revocation queued. The account choices (all of the user's, those of an account no connection has
-any more too) go next, before the connections: a completion writes its flow before its
-connection, `credentials.choose_account` the choice before the connection, so the locks are
-taken in one order and the erasure cannot deadlock with either.
+any more too) go last: a completion writes its flow before its connection, and
+`credentials.choose_account` its connection before its choice (writing none for a connection
+removed meanwhile), so the locks are taken in one order and the erasure cannot deadlock with
+either, nor leave a choice behind.
 """
 
 from __future__ import annotations
@@ -73,20 +74,21 @@ async def erase_user(
     """Erase everything the broker holds about `principal` (the caller commits)."""
     issuer, subject = principal.issuer, principal.subject
     flows = await session.execute(flows_table.remove_of_owner(issuer, subject))  # first: above
-    choices = await session.execute(choices_table.of_user(issuer, subject))
+    choices = (await session.execute(choices_table.count_of_user(issuer, subject))).scalar_one()
     rows = list((await session.execute(connections_table.of_user(issuer, subject))).scalars())
     queued = 0
     for row in rows:
         queued += await remove_connection(
             session, row, sealing=sealing, providers=providers, actor=actor, event=None
         )
+    await session.execute(choices_table.of_user(issuer, subject))  # those of no connection too
     sessions = await browser.end_all(session, principal)
     held_from = utcnow() - timedelta(days=hold_days)
     events = await session.execute(audit_table.remove_of_user(issuer, subject, held_from))
     erased = Erased(
         connections=len(rows),
         revocations_queued=queued,
-        account_choices=int(getattr(choices, "rowcount", 0)),
+        account_choices=int(choices),
         flows=int(getattr(flows, "rowcount", 0)),
         sessions=sessions,
         audit_events=int(getattr(events, "rowcount", 0)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Delete, Insert, Select, delete, select
+from sqlalchemy import Delete, Insert, Select, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app.auth.principal import Principal
@@ -62,5 +62,12 @@ def forget(principal: Principal, provider: str, account_id: str) -> Delete:
 def of_user(issuer: str, subject: str) -> Delete:
     """Every choice of the user (an erasure)."""
     return delete(AccountChoice).where(
+        AccountChoice.issuer == issuer, AccountChoice.subject == subject
+    )
+
+
+def count_of_user(issuer: str, subject: str) -> Select[int]:
+    """How many choices the user has (what an erasure reports)."""
+    return select(func.count()).where(
         AccountChoice.issuer == issuer, AccountChoice.subject == subject
     )
