@@ -183,18 +183,26 @@ class OAuthGrants:
     async def claim(self, session: AsyncSession, *, flow: FlowView, state: str) -> str:
         """Move `authorizing → exchanging` (exactly one winner) and return the PKCE verifier.
 
+        A claim whose verifier is missing or no configured key opens (a key removed while the
+        flow was at the provider) puts the flow back to `pending` in the same transaction,
+        failed with that reason, so that the user can start again at once rather than find it
+        stuck `exchanging` until its lease runs out.
+
         Raises:
-            CallbackRefused: someone else won, or the flow moved on.
+            CallbackRefused: someone else won, or the flow moved on, or its verifier is unusable.
         """
         statement = flows_table.claim(flow.id, self._state_digest(state), utcnow())
         row = (await session.execute(statement)).first()
-        if row is None or row[0] is None:
+        if row is None:
             raise CallbackRefused(409, "already_used", flow)
         try:
+            if row[0] is None:
+                raise InvalidSeal("no verifier")
             return unseal(
                 row[0], purpose=f"{PKCE_PURPOSE}|{flow.id}", keys=self._keys.sealing
             ).decode()
         except InvalidSeal:
+            await fail(session, flow=flow, reason="verifier_unreadable")
             raise CallbackRefused(400, "verifier_unreadable", flow) from None
 
     async def complete(

@@ -229,6 +229,28 @@ async def test_an_access_token_that_cannot_be_sent_fails_the_exchange(
     await assert_pending(clients.db, flow_id, user, reason="malformed_access_token")
 
 
+@pytest.mark.parametrize("sealed", [None, "v1.unknown-key.AAAA"], ids=["missing", "unreadable"])
+async def test_a_verifier_no_key_opens_puts_the_flow_back_to_pending(
+    sealed: str | None, clients: Clients
+) -> None:
+    """A flow whose PKCE verifier is gone or sealed with a key no longer configured cannot be
+    exchanged: the callback fails it at once (the page says to try again), instead of leaving
+    it `exchanging` until its lease runs out; the provider is not called."""
+    user = fresh_user("verifier")
+    flow_id, callback_url = await clients.at_callback(user)
+    async with clients.db.begin() as connection:
+        await connection.execute(
+            text("UPDATE flows SET sealed_pkce_verifier = :sealed WHERE id = :id"),
+            {"sealed": sealed, "id": flow_id},
+        )
+
+    callback = await deliver(clients.browser, callback_url)
+
+    assert callback.status_code == 303, callback.text
+    await assert_pending(clients.db, flow_id, user, reason="verifier_unreadable")
+    assert clients.provider.token_calls == 0
+
+
 UNUSABLE_LIFETIMES = {
     "past-the-calendar": "999999999999",
     "past-the-calendar-number": 999_999_999_999,
