@@ -442,6 +442,42 @@ async def test_L10_a_verified_service_secret_is_not_refused_by_its_address_locko
     assert await refusals(limited_broker) == {"failed_auths": 2}
 
 
+ADMIN_TOKEN = "admin-" + "b" * 40
+
+
+@pytest.mark.parametrize("verified_before", [True, False], ids=["verified", "never-verified"])
+async def test_L12_a_verified_admin_token_is_not_refused_by_its_address_lockout(
+    idp: IdpProcess, workdir: Path, verified_before: bool
+) -> None:
+    """L12 for operators: wrong secrets from a shared address spend its budget; the admin token,
+    once verified by this broker, is still served there. One it has never verified gets the 429
+    any credential gets, so the lockout still tells a guesser nothing."""
+    config = BrokerConfig(
+        issuer=idp.issuer,
+        providers={"demo": DEMO_PROVIDER},
+        extra={"limits": SMALL_LIMITS, "admin": {"token": ADMIN_TOKEN}},
+    )
+    with running_broker(config, workdir, name="limited-admin") as broker:
+        user = {"issuer": idp.issuer, "subject": f"nobody-{secrets.token_hex(3)}"}
+        async with local_client(base_url=broker.url) as http:
+
+            def erase(bearer: str) -> Any:
+                headers = {"Authorization": f"Bearer {bearer}"}
+                return http.delete("/api/v1/admin/users", params=user, headers=headers)
+
+            if verified_before:
+                assert (await erase(ADMIN_TOKEN)).status_code == 200
+            wrong = "cbs_" + secrets.token_urlsafe(32)
+            for _ in range(BURST):
+                wrong_secret = {"Authorization": f"Bearer {wrong}"}
+                response = await http.get("/api/v1/connections", headers=wrong_secret)
+                assert response.status_code == 401
+            assert (await erase("admin-" + "c" * 40)).status_code == 429
+            answer = await erase(ADMIN_TOKEN)
+
+    assert answer.status_code == (200 if verified_before else 429), answer.text
+
+
 async def test_a_sibling_refused_for_its_address_answers_a_retryable_error_result(
     limited_broker: BrokerProcess, idp: IdpProcess
 ) -> None:

@@ -10,6 +10,7 @@ configured token every path here answers 404.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -70,12 +71,19 @@ async def operator(
     security: SecurityDep,
     presented: Annotated[HTTPAuthorizationCredentials | None, Depends(admin_token)],
 ) -> None:
-    """Let through only a caller presenting the configured token (404 when there is none)."""
+    """Let through only a caller presenting the configured token (404 when there is none).
+
+    As for service secrets (app/limits.py), an address past its failed authentications is
+    refused unchecked, unless the token presented is one this process has verified before: an
+    operator behind the address a misbehaving sibling shares is not locked out, while the 429
+    still tells a guesser nothing.
+    """
     token = settings.admin.token
     if token is None:
         raise AdminApiDisabled()
     address = client_key(request.scope.get("client"))
-    wait = security.failed_auth_wait(address)
+    digest = _digest(presented.credentials) if presented is not None else None
+    wait = security.failed_auth_wait(address, digest)
     if wait:
         raise TooManyFailedAuthentications(wait)
     if presented is None or not constant_time_equal(
@@ -83,6 +91,13 @@ async def operator(
     ):
         security.note_failed_authentication(address)
         raise InvalidAdminToken()
+    if digest is not None:
+        security.limits.remember_secret(digest)
+
+
+def _digest(token: str) -> str:
+    """How the verified-secrets memory knows the admin token (apart from services' digests)."""
+    return "admin:" + hashlib.sha256(token.encode()).hexdigest()
 
 
 ErasedIssuer = Annotated[StorableText, Query(min_length=1, max_length=255, description="`iss`")]
