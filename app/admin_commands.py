@@ -124,8 +124,13 @@ def service_list(args: argparse.Namespace) -> int:
 
 
 def service_revoke(args: argparse.Namespace) -> int:
+    from app import cli_filters
     from app.integration_api import services
 
+    try:
+        cli_filters.text("name", args.name)
+    except cli_filters.BadArgument as exc:
+        return usage_error("service revoke", exc)
     done = with_session(
         _service_settings(args), lambda session: services.revoke(session, name=args.name)
     )

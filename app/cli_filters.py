@@ -28,17 +28,21 @@ def since(value: str | None) -> datetime | None:
     if value is None:
         return None
     text = value.strip()
-    if found := DURATION.fullmatch(text):
-        return utcnow() - timedelta(**{UNITS[found[2]]: int(found[1])})
     try:
+        if found := DURATION.fullmatch(text):
+            return utcnow() - timedelta(**{UNITS[found[2]]: int(found[1])})
         moment = datetime.fromisoformat(text)
+        # in UTC, as stored: a time whose UTC is out of the calendar (year 1 east of Greenwich)
+        # overflows here, not in the statement
+        return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
+    except OverflowError:
+        raise BadArgument("--since", f"{value!r:.80} is too far back (or ahead)") from None
     except ValueError:
         raise BadArgument(
             "--since",
             f"{value!r:.80} is neither an ISO-8601 time (2026-12-01T08:00:00Z) nor a duration "
             "(30m, 12h, 7d)",
         ) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def text(argument: str, value: str | None) -> str | None:

@@ -65,13 +65,33 @@ def read_raw(
                 f"cannot read config file {path}: {exc.strerror} "
                 "(give the right path with --config or BROKER_CONFIG)"
             ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not UTF-8 text (TOML files are)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        _check_tables(raw)
     _apply_environment(raw, environ)
     for dotted, value in overrides.items():
         _set_dotted(raw, dotted, value)
     _resolve_files(raw)
     return raw
+
+
+def _check_tables(raw: dict[str, Any]) -> None:
+    """The sections and named tables are tables (`server = 5` is not a [server] section), as
+    everything after reads them as such.
+
+    Raises:
+        ConfigError: naming the first that is not.
+    """
+    for section in (*SECTIONS, *NAMED_TABLES):
+        value = raw.get(section, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{section}: must be a table ([{section}])")
+        if section in NAMED_TABLES:
+            for name, table in value.items():
+                if not isinstance(table, dict):
+                    raise ConfigError(f"{section}.{name}: must be a table ([{section}.{name}])")
 
 
 def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
@@ -136,4 +156,6 @@ def _resolve_files(raw: dict[str, Any], prefix: str = "") -> None:
                 raw[key.removesuffix("_file")] = Path(value).read_text(encoding="utf-8").strip()
             except OSError as exc:
                 raise ConfigError(f"{prefix}{key}: cannot read {value}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"{prefix}{key}: {value} is not UTF-8 text") from None
             del raw[key]

@@ -303,3 +303,38 @@ def test_L14_auth_discovery_advertises_the_required_scopes_else_the_default_ones
 
     assert defaults.identity.advertised_scopes == ("openid", "profile")
     assert required.identity.advertised_scopes == ("mcp:tools",)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("server = 5\n", "server"),
+        ('providers = "abc"\n', "providers"),
+        ("[providers]\nfoo = 5\n", "providers.foo"),
+        ('[services]\nfoo = "x"\n', "services.foo"),
+        ('webhooks = "x"\n', "webhooks"),
+    ],
+    ids=["section", "named-table", "provider", "service", "webhooks"],
+)
+def test_a_section_or_named_table_that_is_not_a_table_is_named(
+    tmp_path: Path, text: str, key: str
+) -> None:
+    """A value where a table belongs is one line naming it, not a traceback."""
+    with pytest.raises(ConfigError) as error:
+        load_settings(write(tmp_path, text), environ={})
+
+    assert str(error.value) == f"{key}: must be a table ([{key}])"
+
+
+def test_a_config_or_secret_file_that_is_not_utf_8_is_named(tmp_path: Path) -> None:
+    """Neither the file's bytes nor a secret file's contents are echoed."""
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00secret")
+    config = write(tmp_path, f'[keys]\nsigning_file = "{binary}"\n')
+
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(TOML files are\)$"):
+        load_settings(binary, environ={})
+    with pytest.raises(ConfigError) as error:
+        load_settings(config, environ={})
+
+    assert str(error.value) == f"keys.signing_file: {binary} is not UTF-8 text"
