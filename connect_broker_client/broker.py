@@ -245,7 +245,7 @@ class ConnectBroker:
                 if capabilities is not None
                 else {}
             ),
-            "client_name": client.client_info.name[:100] if client is not None else None,
+            "client_name": _client_name(client.client_info.name) if client is not None else None,
             "request_digest": _call_digest(ctx.request_context),
         }
 
@@ -287,9 +287,20 @@ class ConnectBroker:
                 raise MCPError(INVALID_PARAMS, "Invalid or expired requestState")
             raise BrokerRefused(response.status_code, code)
         try:
-            return cast(dict[str, Any], response.json())
+            found = response.json()
         except ValueError:
             raise BrokerUnavailable() from None
+        if not isinstance(found, dict):  # every answer of the API is an object
+            raise BrokerUnavailable()
+        return cast(dict[str, Any], found)
+
+
+def _client_name(name: str) -> str | None:
+    """The MCP client's own name for itself, as the broker stores text: at most 100 characters,
+    without the NULs and unpaired surrogates it refuses (a client that sends one would otherwise
+    make every `require` of its users fail)."""
+    kept = "".join(ch for ch in name[:100] if ch != "\x00" and not "\ud800" <= ch <= "\udfff")
+    return kept or None
 
 
 def _user(identity_claim: str, *, as_query: bool = True) -> dict[str, str]:

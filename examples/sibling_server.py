@@ -27,7 +27,7 @@ import argparse
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
@@ -44,12 +44,12 @@ GITHUB_TIMEOUT_SECONDS = 15.0
 @dataclass(frozen=True)
 class SiblingConfig:
     broker_url: str
-    service_secret: str
+    service_secret: str = field(repr=False)
     issuer: str
     audience: str
     github_api_url: str = "https://api.github.com"
     name: str = "github-repos"
-    state_keys: tuple[str, ...] = ()
+    state_keys: tuple[str, ...] = field(default=(), repr=False)
     user_proof: bool = False
 
     @classmethod
@@ -135,14 +135,19 @@ def build_server(config: SiblingConfig) -> MCPServer[Any]:
     @server.tool()
     async def disconnect_github(ctx: Context[Any, Any]) -> str:
         """Disconnect the signed-in user's GitHub account from this server (revoked at GitHub)."""
-        accounts = [
-            str(connection.get("account") or "unknown account")
+        # each account by name: with several, the broker deletes none unless one is named; one
+        # it only shares with this server (made elsewhere) is not this server's to delete
+        named: list[str | None] = [
+            str(connection["account"])
             for connection in await broker.connections(ctx)
-            if connection["provider"] == "github"
+            if connection["provider"] == "github" and connection.get("account")
         ]
-        if not await broker.disconnect(ctx, "github"):
+        removed = [
+            name for name in named or [None] if await broker.disconnect(ctx, "github", account=name)
+        ]
+        if not removed:
             return "GitHub was not connected through this server."
-        return f"Disconnected GitHub ({', '.join(accounts)})."
+        return f"Disconnected GitHub ({', '.join(name or 'its account' for name in removed)})."
 
     return server
 
