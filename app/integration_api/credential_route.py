@@ -46,7 +46,6 @@ from app.integration_api.broker import (
 from app.integration_api.problems import (
     InvalidServiceCredentials,
     NotConnected,
-    UnknownProvider,
     UserProofRequired,
     invalid_request,
     problem_response,
@@ -185,18 +184,16 @@ class CredentialFetch:
             secrets.verified(address, digests, service)
             raise
         provider: str = scope["path_params"]["provider"]
-        if provider not in self.settings.providers:  # never a statement with unchecked input
-            service = secrets.verified(
-                address, digests, await services.authenticate(secrets.store, digests)
-            )
-            if self.proofs.required(service.name):
-                raise UserProofRequired()
-            raise UnknownProvider()
         principal = Principal(issuer, subject)
-        found = await services.authenticate_with_own_connection(
-            secrets.store, digests, principal=principal, provider=provider
-        )
-        service, own = secrets.verified(address, digests, found)
+        own: ConnectionRecord | None = None
+        if provider in self.settings.providers:
+            found = await services.authenticate_with_own_connection(
+                secrets.store, digests, principal=principal, provider=provider
+            )
+            service, own = secrets.verified(address, digests, found)
+        else:  # never a statement with unchecked input; `credential_for` answers 404
+            found_service = await services.authenticate(secrets.store, digests)
+            service = secrets.verified(address, digests, found_service)
         if self.proofs.required(service.name):  # the named user is not read for it
             raise UserProofRequired()
         usable = await credential_for(
