@@ -67,11 +67,9 @@ def _service_usage_error(argument: str, message: str) -> int:
 
 
 def service_create(args: argparse.Namespace) -> int:
-    import re
+    from app.models import BROKER_AUDIENCE, SERVICE_NAME
 
-    from app.models import BROKER_AUDIENCE
-
-    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", args.name) or args.name == BROKER_AUDIENCE:
+    if not SERVICE_NAME.fullmatch(args.name) or args.name == BROKER_AUDIENCE:
         return _service_usage_error(
             "name",
             f"{args.name!r:.80} is not a service name (1-64 lowercase letters, digits, - and _, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -67,6 +68,9 @@ class FlowStatus(StrEnum):
 
 
 BROKER_AUDIENCE = "mcp"  # the audience of what the broker's own MCP endpoint creates
+# A registered service's name (`connect-broker service create`), also the audience of the
+# connections that service makes
+SERVICE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 OPEN_FLOW_STATUSES = (FlowStatus.pending, FlowStatus.authorizing, FlowStatus.exchanging)
 DONE_FLOW_STATUSES = (FlowStatus.completed, FlowStatus.consumed)
 

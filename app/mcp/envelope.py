@@ -130,6 +130,9 @@ def _decode(body: bytes) -> Any:
     return document
 
 
+NOT_JSON_RPC = 'Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")'
+
+
 def parse_body(body: bytes) -> Message:
     """Parse one JSON-RPC message (not yet checked against headers).
 
@@ -151,13 +154,13 @@ def parse_body(body: bytes) -> Message:
     if isinstance(document, list):
         raise _invalid("Batches are not supported: send one JSON-RPC message per request")
     if not isinstance(document, dict):
-        raise _invalid('Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")')
+        raise _invalid(NOT_JSON_RPC)
     has_id = "id" in document
     request_id = document.get("id")
-    readable_id = request_id if _is_request_id(request_id) else None  # echoed in any error
+    readable_id = request_id if _is_string_or_integer(request_id) else None  # echoed in any error
     if document.get("jsonrpc") != "2.0":
         raise _invalid(
-            'Not a JSON-RPC 2.0 message (expected an object with "jsonrpc": "2.0")',
+            NOT_JSON_RPC,
             request_id=readable_id,
         )
     method = document.get("method")
@@ -191,11 +194,6 @@ def _invalid(
     )
 
 
-def _is_request_id(value: object) -> bool:
-    """Schema `RequestId`: a string or an integer (a boolean is neither)."""
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
-
-
 def check_message(message: Message, headers: HeaderMap) -> None:
     """Validate _meta, the version and the MCP headers against the body (notifications: headers).
 
@@ -215,7 +213,7 @@ def check_message(message: Message, headers: HeaderMap) -> None:
         raise _bad_meta(f"params._meta[{META_PROTOCOL_VERSION!r}] is required")
     if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
         raise _bad_meta(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an object")
-    if META_PROGRESS_TOKEN in meta and not _is_progress_token(meta[META_PROGRESS_TOKEN]):
+    if META_PROGRESS_TOKEN in meta and not _is_string_or_integer(meta[META_PROGRESS_TOKEN]):
         raise _bad_meta(f"params._meta.{META_PROGRESS_TOKEN} must be a string or an integer")
     if _header(headers, "mcp-protocol-version") != version:
         raise _mismatch("The MCP-Protocol-Version header is missing or differs from params._meta")
@@ -228,8 +226,8 @@ def check_message(message: Message, headers: HeaderMap) -> None:
             raise _mismatch(f"The Mcp-Name header is missing or differs from params.{name_field}")
 
 
-def _is_progress_token(value: object) -> bool:
-    """Schema `ProgressToken`: a string or an integer (a boolean is neither)."""
+def _is_string_or_integer(value: object) -> bool:
+    """Schema `RequestId` and `ProgressToken`: a string or an integer (a boolean is neither)."""
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 

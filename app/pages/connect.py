@@ -8,7 +8,6 @@ moves a flow; POSTs need the session's CSRF token and a same-origin request, and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -35,7 +34,7 @@ from app.deps import (
     SettingsDep,
 )
 from app.errors import BrokerError, NotFound
-from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, FlowStatus
+from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, SERVICE_NAME, FlowStatus
 from app.pages.access import FLOW_ID, SignedInPost, flow_for_user
 from app.providers.api_key import KeyRejected, ProbeUnavailable, check_shape, probe
 from app.providers.settings import (
@@ -50,9 +49,6 @@ router = APIRouter(include_in_schema=False)
 OUTCOME_STATUS: dict[str, int] = {FlowStatus.expired: 410}
 # Exchanges the provider completed without a token the broker can use (app/providers/oauth.py)
 UNUSABLE_GRANT_FAILURES = frozenset({"missing_access_token", "unsupported_token_type"})
-# A registered service's name, as `connect-broker service create` accepts it
-# (app/admin_commands.py): the audience of the connections that service made
-SERVICE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 
 class UnexpectedFields(BrokerError):
