@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sqlite3
 import subprocess
 import sys
@@ -808,6 +809,34 @@ async def test_a_failing_insert_fails_alone_in_its_batch(sqlite_database: Databa
     judy = await sqlite_database.store.get_flow_and_connection("other-id")
     assert judy is not None
     assert judy[0].subject == "judy"
+
+
+async def test_a_flow_whose_event_is_refused_is_not_stored_and_fails_alone(
+    sqlite_database: Database,
+) -> None:
+    """A flow and its `flow.created` event are one change: when the event's insert fails, the
+    flow must not stay behind without it, and the other flows of the same commit still land."""
+    with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
+        connection.execute(
+            "CREATE TRIGGER refuse_poison BEFORE INSERT ON audit_events "
+            "WHEN NEW.request_id = 'poison' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        )
+        connection.commit()
+    poisoned = dataclasses.replace(new_flow("poisoned", "kate"), request_id="poison")
+
+    results = await asyncio.gather(
+        sqlite_database.store.insert_flow(new_flow("before", "hank"), max_open=20),
+        sqlite_database.store.insert_flow(poisoned, max_open=20),
+        sqlite_database.store.insert_flow(new_flow("after", "judy"), max_open=20),
+        return_exceptions=True,
+    )
+
+    assert results[0] is True and results[2] is True
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert await sqlite_database.store.get_flow_and_connection("poisoned") is None
+    async with sqlite_database.sessions() as session:
+        events = await session.execute(text("SELECT subject FROM audit_events ORDER BY subject"))
+        assert events.scalars().all() == ["hank", "judy"]
 
 
 async def test_the_wal_is_checkpointed_off_the_event_loop_after_writes(

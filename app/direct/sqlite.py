@@ -152,18 +152,24 @@ def _roll_back(connection: sqlite3.Connection) -> None:
 
 
 def _apply(connection: sqlite3.Connection, writes: list[_Statement]) -> list[int | Exception]:
-    """Run `writes` in one transaction; each gets its row count or its own error."""
+    """Run `writes` in one transaction; each gets its row count or its own error.
+
+    A write refused by a constraint is that write's own fault: SQLite backs out the statement
+    and the others go on. Once a write has changed a row, its `then` must follow it or the row
+    must go: a `then` that fails ends the whole transaction (the batcher then runs each write
+    alone), so no row is ever committed without its companion (a flow without its event)."""
     outcomes: list[int | Exception] = []
     connection.execute("BEGIN IMMEDIATE")
     try:
         for write in writes:
             try:
                 changed = connection.execute(write.statement, write.values).rowcount
-                if changed and write.then is not None:
-                    connection.execute(write.then.statement, write.then.values)
-                outcomes.append(changed)
             except sqlite3.IntegrityError as exc:  # this row's own fault; others go on
                 outcomes.append(exc)
+                continue
+            if changed and write.then is not None:
+                connection.execute(write.then.statement, write.then.values)
+            outcomes.append(changed)
         connection.execute("COMMIT")
     except BaseException:
         _roll_back(connection)
