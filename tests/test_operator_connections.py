@@ -16,6 +16,7 @@ from app.clock import utcnow
 from app.config import ConfigError, load_settings
 from app.connect.idle import UsageLog, revoke_idle, today
 from app.main import Shared
+from app.mcp.accounts import NEW_ACCOUNT
 from app.models import AuditEvent, Connection, PendingRevocation
 
 from .oauth.flows import connect
@@ -194,25 +195,36 @@ async def test_connections_idle_past_the_limit_are_revoked_with_an_event(
     db: AsyncEngine,
     runtime: Shared,
 ) -> None:
-    idle, used, new = (fresh_user(f"ops-idle-{n}") for n in ("a", "b", "c"))
-    for user in (idle, used, new):
+    idle, used, new, again = (fresh_user(f"ops-idle-{n}") for n in ("a", "b", "c", "d"))
+
+    async def connect_in_own_browser(user: str, account: str | None = None) -> None:
+        arguments = {"provider": "github"} | ({"account": account} if account else {})
         browser = Browser(broker.url)  # one browser each: a sign-in is per browser
         try:
-            await connect(mcp, browser, token_for(user), user)
+            await connect(mcp, browser, token_for(user), user, arguments)
         finally:
             await browser.aclose()
+
+    for user in (idle, used, new, again):
+        await connect_in_own_browser(user)
     long_ago = utcnow() - timedelta(days=10)
     async with db.begin() as connection:
         await connection.execute(
             update(Connection)
-            .where(Connection.subject.in_([idle, used]))
-            .values(created_at=long_ago, last_used_at=today() - timedelta(days=10))
+            .where(Connection.subject.in_([idle, used, again]))
+            .values(
+                created_at=long_ago,
+                selected_at=long_ago,
+                last_used_at=today() - timedelta(days=10),
+            )
         )
         await connection.execute(
             update(Connection)
             .where(Connection.subject == used)
             .values(last_used_at=today() - timedelta(days=7))
         )
+
+    await connect_in_own_browser(again, NEW_ACCOUNT)  # the same account granted again today
 
     revoked = await revoke_idle(
         async_sessionmaker(db, expire_on_commit=False),
@@ -225,6 +237,8 @@ async def test_connections_idle_past_the_limit_are_revoked_with_an_event(
     assert await count(db, idle) == 0
     assert await count(db, used) == 1  # used on the first day of the seven
     assert await count(db, new) == 1
+    assert await count(db, again) == 1  # granted again: not idle, whatever its last use
+    assert (await connection_row(db, again))["created_at"] == long_ago  # the same row
     assert await queued_for(db, idle) == 1
     (event,) = await events(db, idle, "connection.idle_revoked")
     assert (event.actor_kind, event.provider, event.account_label) == (

@@ -4,8 +4,10 @@ Use is noted in memory where a credential is handed out (`UsageLog.note`: one se
 statement: the credential fetch stays one read), and the housekeeping writes it once a minute,
 as the day of use (midnight UTC), to connections not already marked used that day: at most one
 write per connection a day across all processes. A process that stops loses at most a minute of
-notes. A connection is idle when neither its last day of use nor its creation is on or after
-midnight `max_idle_days` days ago: at least that many whole days pass without use.
+notes. A connection is idle when neither its last day of use nor the last time its user
+connected or chose that account (`selected_at`: its creation, a new grant of the same account, a
+choice among several) is on or after midnight `max_idle_days` days ago: at least that many whole
+days pass without use.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Update,
     and_,
     bindparam,
+    case,
     delete,
     func,
     or_,
@@ -256,9 +257,11 @@ def listing(
 
 
 def idle_since(cutoff: datetime, size: int) -> Select[Connection]:
-    """Up to `size` connections neither used nor made since `cutoff`, locked (PostgreSQL),
-    skipping rows another transaction holds."""
-    last_seen = func.coalesce(Connection.last_used_at, Connection.created_at)
+    """Up to `size` connections neither used nor connected or chosen by their user since
+    `cutoff` (the later of `last_used_at` and `selected_at`: a grant of the same account again
+    counts as activity), locked (PostgreSQL), skipping rows another transaction holds."""
+    used_last = Connection.last_used_at > Connection.selected_at  # NULL when never used
+    last_seen = case((used_last, Connection.last_used_at), else_=Connection.selected_at)
     return (
         select(Connection)
         .where(last_seen < cutoff)
