@@ -3,13 +3,15 @@
 The sibling is a resource server of the same IdP as the broker, with its own audience (its `/mcp`
 URL). A token is accepted only with header `typ: at+jwt`, an allowed algorithm, a key from the
 issuer's JWKS (found through OIDC discovery, never through `jku`/`x5u` headers), and `iss`, `aud`,
-`exp` and `sub` present and valid. Keys are cached; an unknown `kid` refetches at most once per
+`exp` and `sub` present and valid, and the identity claim (the broker's `identity.identity_claim`)
+one the broker takes as a user's name. Keys are cached; an unknown `kid` refetches at most once per
 `cooldown` seconds. Any failure answers None, which the SDK turns into a 401.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from mcp.server.auth.provider import AccessToken
 logger = logging.getLogger("connect_broker_client")
 
 MAX_DOCUMENT_BYTES = 256 * 1024
+MAX_IDENTITY_CHARS = 255  # the broker's bound on an issuer's and a user's names
 ACCESS_TOKEN_TYPES = ("at+jwt", "application/at+jwt")
 
 
@@ -33,6 +36,7 @@ class IdpTokenVerifier:
         issuer: str,
         audience: str,
         *,
+        identity_claim: str = "sub",
         algorithms: Sequence[str] = ("RS256", "PS256", "ES256", "EdDSA"),
         leeway: float = 30,
         ttl: float = 600,
@@ -41,6 +45,7 @@ class IdpTokenVerifier:
     ) -> None:
         self.issuer = issuer
         self.audience = audience
+        self.identity_claim = identity_claim
         self.algorithms = tuple(algorithms)
         self.leeway = leeway
         self._ttl = ttl
@@ -81,6 +86,9 @@ class IdpTokenVerifier:
         except jwt.PyJWTError as exc:
             logger.info("access_token.refused reason=%s", type(exc).__name__)
             return None
+        if not _storable_name(claims.get(self.identity_claim)):
+            logger.info("access_token.refused reason=identity_claim")
+            return None
         return AccessToken(
             token=token,
             client_id=str(claims.get("client_id") or claims.get("azp") or ""),
@@ -120,14 +128,40 @@ class IdpTokenVerifier:
         self._fetched_at = time.monotonic()
 
     async def _get_json(self, url: str) -> dict[str, Any]:
-        response = await self._http.get(url, headers={"Accept": "application/json"})
-        response.raise_for_status()
-        if len(response.content) > MAX_DOCUMENT_BYTES:
-            raise ValueError("document too large")
-        document = response.json()
+        """The JSON object at `url`, its body read only up to MAX_DOCUMENT_BYTES (decoded, so a
+        compressed body too): an endless or huge answer is refused as it arrives.
+
+        Raises:
+            httpx2.HTTPError: no answer, or not a 2xx one.
+            ValueError: too large, not JSON (or nested too deeply to parse), not an object.
+        """
+        chunks: list[bytes] = []
+        size = 0
+        async with self._http.stream("GET", url, headers={"Accept": "application/json"}) as answer:
+            answer.raise_for_status()
+            async for chunk in answer.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_DOCUMENT_BYTES:
+                    raise ValueError("document too large")
+                chunks.append(chunk)
+        try:
+            document = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ValueError("document nested too deeply") from None
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return document
+
+
+def _storable_name(value: object) -> bool:
+    """Whether `value` is a user's name the broker takes: text of 1 to MAX_IDENTITY_CHARS
+    characters, without the NUL or unpaired surrogates a database refuses."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_IDENTITY_CHARS
+        and "\x00" not in value
+        and not any("\ud800" <= ch <= "\udfff" for ch in value)
+    )
 
 
 def _signing_key(entry: dict[str, Any]) -> tuple[str, tuple[jwt.PyJWK, str | None]] | None:
