@@ -29,12 +29,11 @@ _environment = Environment(
 )
 
 
-def html_security_headers(form_action_origins: tuple[str, ...] = ()) -> dict[str, str]:
-    form_action = " ".join(("'self'", *form_action_origins))
+def html_security_headers() -> dict[str, str]:
     return {
         "Content-Security-Policy": (
             "default-src 'none'; style-src 'self'; img-src 'self'; "
-            f"form-action {form_action}; frame-ancestors 'none'; base-uri 'none'; "
+            "form-action 'self'; frame-ancestors 'none'; base-uri 'none'; "
             "object-src 'none'"
         ),
         "X-Frame-Options": "DENY",
@@ -57,7 +56,6 @@ def render(
     name: str,
     *,
     status_code: int = 200,
-    form_action_origins: tuple[str, ...] = (),
     **context: Any,
 ) -> HTMLResponse:
     """Render `templates/<name>` with plain values (never ORM rows or secrets)."""
@@ -68,6 +66,4 @@ def render(
         development=is_development(request),
         **context,
     )
-    return HTMLResponse(
-        body, status_code=status_code, headers=html_security_headers(form_action_origins)
-    )
+    return HTMLResponse(body, status_code=status_code, headers=html_security_headers())

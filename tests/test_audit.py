@@ -35,7 +35,7 @@ from .oauth.helpers import unique as fresh_user
 from .oauth.test_refresh_revoke import ask_to_disconnect, confirm_disconnect
 from .oauth.test_revocation_retries import close_runtime, open_runtime
 from .support.broker import BrokerProcess
-from .support.clients import Browser, McpHttp
+from .support.clients import Browser, McpHttp, provider_url
 from .support.fake_github import FakeGitHub
 
 pytestmark = pytest.mark.both_databases
@@ -299,7 +299,7 @@ async def authorize_denied(browser: Browser, flow_id: str) -> str:
     """Continue, then the fake GitHub answers the authorize hop with `access_denied`: the
     callback URL it sends the browser back to."""
     started = await press_continue(browser, flow_id)
-    denied = await browser.http.get(started.headers["location"])
+    denied = await browser.http.get(provider_url(started))
     location: str = denied.headers["location"]
     assert "error=access_denied" in location, location
     return location

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from starlette.responses import RedirectResponse, Response
@@ -108,7 +108,6 @@ def show_flow(
             scopes=flow.scopes,
             in_progress=flow.status == FlowStatus.exchanging,
             failure=error or _failure_text(flow.failure, provider.display_name),
-            form_action_origins=_origins(provider),
             **context,
         )
     if outcome in OPEN_FLOW_STATUSES and isinstance(provider, ApiKeyProviderSettings):
@@ -361,13 +360,3 @@ def _failure_text(failure: str | None, provider_name: str) -> str | None:
     return (
         f"{provider_name} had a problem completing the connection. Nothing was stored; try again."
     )
-
-
-def _origins(provider: OAuthProviderSettings) -> tuple[str, ...]:
-    """The consent form's 303 goes to the provider: CSP form-action must allow its origin."""
-    origins = []
-    for url in (provider.authorize_url, provider.issuer):
-        if url:
-            parts = urlsplit(url)
-            origins.append(f"{parts.scheme}://{parts.netloc}")
-    return tuple(dict.fromkeys(origins))

@@ -45,6 +45,7 @@ class StartUnavailable(BrokerError):
 
 @router.post("/connect/{flow_id}/start", name="connect:start")
 async def start(
+    request: Request,
     flow_id: str,
     posted: SignedInPost,
     session: SessionDep,
@@ -64,7 +65,10 @@ async def start(
         raise StartUnavailable() from None
     if target is None:  # finished, expired or mid-exchange: show where it stands
         return _see_other(f"/connect/{flow.id}")
-    return _see_other(target)
+    # a page that refreshes to the provider, not a 303: templates/connect/continue.html says why
+    return render(
+        request, "connect/continue.html", provider_name=provider.display_name, target=target
+    )
 
 
 @router.get("/oauth/{provider_name}/callback", name="oauth:callback")

@@ -40,3 +40,20 @@ async def sign_in(page: Page, issuer: str, user: str) -> Response:
         if not landed.url.startswith(issuer):
             return landed
     raise AssertionError(f"still at {issuer} after {MAX_IDP_PAGES} pages: {page.url}")
+
+
+def _past_the_broker_start(url: str) -> bool:
+    return not url.endswith("/start")
+
+
+async def press_continue(page: Page) -> Response:
+    """Press "Continue" on the consent page: the broker answers a page that refreshes to the
+    provider; the response at the end of the navigations that follow (the provider's page, or
+    the broker's own once the provider sent the browser back)."""
+    async with page.expect_navigation(
+        url=_past_the_broker_start, timeout=ACTION_TIMEOUT_MS
+    ) as navigation:
+        await page.click("[data-action=continue]", timeout=ACTION_TIMEOUT_MS)
+    landed = await navigation.value
+    assert landed is not None
+    return landed

@@ -21,16 +21,16 @@ from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 import httpx2
 import pytest
 from mcp_types import CallToolResult
-from playwright.async_api import BrowserContext, Page, Request, Response
+from playwright.async_api import BrowserContext, Page, Request
 from playwright.async_api import Error as PlaywrightError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess
-from ..support.clients import Browser, McpHttp, flow_id_from
+from ..support.clients import Browser, McpHttp, flow_id_from, provider_url
 from ..support.idp import IdpProcess, idp_login
 from ..support.schema import validate, validate_response
-from .chromium import open_page, sign_in
+from .chromium import open_page, press_continue, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, OpenClient, WireLog
 from .elicitations import Action, UrlElicitations
 
@@ -52,15 +52,6 @@ class RequestLog:
 
     def to(self, origin: str) -> list[str]:
         return [url for url in self.urls if url.startswith(origin + "/")]
-
-
-async def press_continue(page: Page) -> Response:
-    """Submit the consent form; the response at the end of the redirects it starts."""
-    async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
-        await page.click("[data-action=continue]", timeout=ACTION_TIMEOUT_MS)
-    landed = await navigation.value
-    assert landed is not None
-    return landed
 
 
 def query_of(url: str) -> dict[str, str]:
@@ -126,7 +117,7 @@ async def test_h7_mcp_client_connects_a_generic_oidc_provider_through_the_browse
     )
     assert seen["scopes"] == ACME_SCOPES
     csp = consent_headers["content-security-policy"]
-    assert re.search(r"form-action 'self' " + re.escape(provider_idp.issuer) + r"[ ;]", csp)
+    assert re.search(r"form-action 'self'[ ;]", csp)
     at_acme_url, at_acme_status = seen["at_acme"]
     assert at_acme_url.startswith(f"{provider_idp.issuer}/interaction/")
     assert (at_acme_status, seen["acme_login_form"]) == (200, 1)
@@ -209,8 +200,9 @@ async def test_d2_wrong_user_never_reaches_the_oauth_provider(
 
 
 @asynccontextmanager
-async def form_site(csp: str, redirect_to: str) -> AsyncIterator[str]:
-    """A page on its own origin with a form under `csp`; the POST answers 303 to `redirect_to`."""
+async def form_site(csp: str, redirect_to: str, *, refresh: bool) -> AsyncIterator[str]:
+    """A page on its own origin with a form under `csp`; the POST answers 303 to `redirect_to`,
+    or (`refresh`) a page under the same policy that refreshes to it, as the broker's does."""
     page = b'<!doctype html><title>form</title><form method="post" action="/go">'
     page += b'<button type="submit">go</button></form>'
 
@@ -219,7 +211,13 @@ async def form_site(csp: str, redirect_to: str) -> AsyncIterator[str]:
         length = re.search(r"(?im)^content-length:\s*(\d+)", head)
         if length:
             await reader.readexactly(int(length.group(1)))
-        if head.startswith("POST"):
+        onward = f'<meta http-equiv="refresh" content="0; url={redirect_to}">'.encode()
+        if head.startswith("POST") and refresh:
+            reply = (
+                f"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Security-Policy: {csp}\r\n"
+                f"Content-Length: {len(onward)}\r\n"
+            )
+        elif head.startswith("POST"):
             reply = f"HTTP/1.1 303 See Other\r\nLocation: {redirect_to}\r\nContent-Length: 0\r\n"
         else:
             reply = (
@@ -229,6 +227,8 @@ async def form_site(csp: str, redirect_to: str) -> AsyncIterator[str]:
         writer.write(reply.encode() + b"Connection: close\r\n\r\n")
         if not head.startswith("POST"):
             writer.write(page)
+        elif refresh:
+            writer.write(onward)
         await writer.drain()
         writer.close()
 
@@ -242,9 +242,12 @@ async def form_site(csp: str, redirect_to: str) -> AsyncIterator[str]:
 
 
 async def post_form(page: Page) -> str:
-    """Click the form's button; the URL the browser lands on, or the error that stopped it."""
+    """Click the form's button; the URL the browser lands on past the form's own answer, or the
+    error that stopped it."""
     try:
-        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
+        async with page.expect_navigation(
+            url=lambda url: not url.endswith("/go"), timeout=ACTION_TIMEOUT_MS
+        ) as navigation:
             await page.click("button", timeout=ACTION_TIMEOUT_MS)
         landed = await navigation.value
     except PlaywrightError as error:  # a blocked navigation is aborted, not answered
@@ -252,31 +255,65 @@ async def post_form(page: Page) -> str:
     return landed.url if landed else page.url
 
 
-@pytest.mark.parametrize("allowed", [False, True], ids=["self-only", "provider-allowed"])
-async def test_h7_control_chromium_applies_form_action_to_the_redirect_after_a_post(
-    context: BrowserContext, provider_idp: IdpProcess, allowed: bool
+@asynccontextmanager
+async def hop(to: str) -> AsyncIterator[str]:
+    """An origin that redirects every request to `to`: a provider whose sign-in passes through
+    another origin (a company's single sign-on, a consumer-account login)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            f"HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("refresh", "allow_hop", "reached"),
+    [(False, False, False), (False, True, False), (True, False, True)],
+    ids=["303-self-only", "303-first-origin-allowed", "refresh-self-only"],
+)
+async def test_h7_control_chromium_checks_form_action_at_every_redirect_after_a_post(
+    context: BrowserContext,
+    provider_idp: IdpProcess,
+    refresh: bool,
+    allow_hop: bool,
+    reached: bool,
 ) -> None:
-    """H7 control. Without this, reaching acme above would prove nothing about `form-action`:
-    Chromium stops a form's 303 to an origin the policy leaves out, and follows it otherwise."""
+    """H7 control, and why the consent form's answer is a refreshing page. Chromium stops a
+    form's 303 to an origin `form-action` leaves out, and also any later redirect to such an
+    origin, even when the first one was allowed: with a 303, a provider whose sign-in passes
+    through another origin could never be reached. A page that refreshes is a navigation of its
+    own: it reaches that provider under `form-action 'self'`."""
     target = f"{provider_idp.issuer}/.well-known/openid-configuration"
-    csp = "form-action 'self'" + (f" {provider_idp.issuer}" if allowed else "")
     requests = RequestLog()
     context.on("request", requests.record)
     console: list[str] = []
 
-    async with (
-        asyncio.timeout(TEST_DEADLINE),
-        form_site(csp, target) as site,
-        open_page(context) as page,
-    ):
-        page.on("console", lambda message: console.append(message.text))
-        await page.goto(site, timeout=ACTION_TIMEOUT_MS)
-        landed = await post_form(page)
+    async with asyncio.timeout(TEST_DEADLINE), hop(target) as provider:
+        csp = "form-action 'self'" + (f" {provider}" if allow_hop else "")
+        async with (
+            form_site(csp, f"{provider}/authorize", refresh=refresh) as site,
+            open_page(context) as page,
+        ):
+            page.on("console", lambda message: console.append(message.text))
+            await page.goto(site, timeout=ACTION_TIMEOUT_MS)
+            landed = await post_form(page)
 
-    assert f"{site}go" in requests.urls  # the form was posted either way
-    assert (landed == target) is allowed, landed
-    assert (requests.to(provider_idp.issuer) == [target]) is allowed
-    assert any("violates" in line and "form-action" in line for line in console) is not allowed
+    assert f"{site}go" in requests.urls  # the form was posted each time
+    assert (f"{provider}/authorize" in requests.urls) is (refresh or allow_hop)
+    assert (landed == target) is reached, landed
+    assert (requests.to(provider_idp.issuer) == [target]) is reached
+    assert any("violates" in line and "form-action" in line for line in console) is not reached
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,12 +330,10 @@ async def start_flow(mcp: McpHttp, token: str) -> tuple[dict[str, Any], str, str
 
 
 async def continue_to_acme(browser: Browser, flow_id: str) -> str:
-    """Press "Continue" on the consent page; the authorize URL the broker redirects to."""
+    """Press "Continue" on the consent page; the authorize URL the broker sends the browser to."""
     csrf = await browser.csrf_token(f"/connect/{flow_id}")
     started = await browser.post(f"/connect/{flow_id}/start", data={"csrf": csrf})
-    assert started.status_code == 303, started.text
-    location: str = started.headers["location"]
-    return location
+    return provider_url(started)
 
 
 async def come_back_from_acme(browser: Browser, authorize_url: str) -> httpx2.Response:

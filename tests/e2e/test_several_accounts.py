@@ -23,7 +23,7 @@ from ..support.idp import IdpProcess
 from ..support.schema import validate
 from ..support.webhook_receiver import Receiver, running_receiver
 from ..test_webhooks import SECRET, documented_verify
-from .chromium import open_page, sign_in
+from .chromium import open_page, press_continue, sign_in
 from .conftest import ACTION_TIMEOUT_MS, OpenClient, WireLog
 
 pytestmark = pytest.mark.both_databases  # the accounts' rows and the remembered choice
@@ -88,8 +88,7 @@ def browser_connect(
             await page.goto(url, timeout=ACTION_TIMEOUT_MS)
             if page.url.startswith(f"{idp.issuer}/"):  # the first time: the broker's login
                 await sign_in(page, idp.issuer, user)
-            async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS):
-                await page.click("[data-action=continue]", timeout=ACTION_TIMEOUT_MS)
+            await press_continue(page)
             assert "is connected" in await page.locator("h1").inner_text()
 
     return connect_in_browser

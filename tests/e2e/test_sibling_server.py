@@ -50,7 +50,7 @@ from ..support.idp import (
 )
 from ..support.schema import validate
 from ..support.stack import running_stack
-from .chromium import open_page, sign_in
+from .chromium import open_page, press_continue, sign_in
 from .conftest import ACTION_TIMEOUT_MS, CLIENT_INFO, MCP_ROUND_TIMEOUT, WireLog
 from .elicitations import Action, UrlElicitations
 
@@ -256,10 +256,7 @@ async def connect_github_in_chromium(
         seen["login_page"] = page.url
         consent = await sign_in(page, issuer, user)
         seen["consent"] = (consent.url, consent.status, await page.locator("main").inner_text())
-        async with page.expect_navigation(timeout=ACTION_TIMEOUT_MS) as navigation:
-            await page.click("[data-action=continue]", timeout=ACTION_TIMEOUT_MS)
-        landed = await navigation.value
-        assert landed is not None
+        landed = await press_continue(page)
         seen["landed"] = (landed.url, landed.status, await page.locator("main").inner_text())
     return "accept"
 

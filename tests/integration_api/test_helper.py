@@ -34,7 +34,7 @@ from connect_broker_client import BrokerRefused, ConnectBroker, IdpTokenVerifier
 
 from ..conftest import count_rows, flow_row
 from ..support.broker import BrokerProcess, cli
-from ..support.clients import Browser, flow_id_from, request_body, request_headers
+from ..support.clients import Browser, flow_id_from, provider_url, request_body, request_headers
 from ..support.http import local_client
 from ..support.idp import IdpProcess, free_port, generate_rsa_jwk, mint_token
 from ..support.schema import validate_response
@@ -322,7 +322,7 @@ async def approve_at_github(browser: Browser, flow_id: str) -> str:
     """Press Continue, let the fake GitHub approve, follow the callback; the landing page."""
     csrf = await browser.csrf_token(f"/connect/{flow_id}")
     started = await browser.post(f"/connect/{flow_id}/start", data={"csrf": csrf})
-    approved = await browser.http.get(started.headers["location"])
+    approved = await browser.http.get(provider_url(started))
     callback = urlsplit(approved.headers["location"])
     landed = await browser.get(f"{callback.path}?{callback.query}")
     assert landed.status_code == 303, landed.text

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.models import Connection
 
-from ..support.clients import Browser, McpHttp, flow_id_from
+from ..support.clients import Browser, McpHttp, flow_id_from, provider_url
 from ..support.schema import validate_response
 
 
@@ -59,7 +59,8 @@ async def elicit(mcp: McpHttp, token: str, arguments: dict[str, Any] | None = No
 
 
 async def press_continue(browser: Browser, flow_id: str) -> httpx2.Response:
-    """POST the consent form (a 303 to the provider's authorize URL when it can start)."""
+    """POST the consent form (a page that sends the browser on to the provider's authorize URL
+    when it can start: `provider_url`)."""
     csrf = await browser.csrf_token(f"/connect/{flow_id}")
     return await browser.post(f"/connect/{flow_id}/start", data={"csrf": csrf})
 
@@ -67,8 +68,7 @@ async def press_continue(browser: Browser, flow_id: str) -> httpx2.Response:
 async def authorize(browser: Browser, flow_id: str) -> str:
     """Continue on the consent page and approve at the fake; the callback URL it sends back."""
     started = await press_continue(browser, flow_id)
-    assert started.status_code == 303, started.text
-    approved = await browser.http.get(started.headers["location"])
+    approved = await browser.http.get(provider_url(started))
     assert approved.status_code == 302, approved.text
     location: str = approved.headers["location"]
     assert "code=" in location, location  # not an error redirect

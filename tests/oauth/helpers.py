@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.clock import utcnow
 from app.models import Connection, Flow
 
-from ..support.clients import Browser, McpHttp, flow_id_from
+from ..support.clients import Browser, McpHttp, flow_id_from, provider_url
 from ..support.schema import validate_response
 
 
@@ -73,9 +73,7 @@ async def start_at_broker(browser: Browser, flow_id: str) -> str:
     """Press "Continue" on the consent page: the provider authorize URL the broker answers."""
     csrf = await browser.csrf_token(f"/connect/{flow_id}")
     started = await browser.post(f"/connect/{flow_id}/start", data={"csrf": csrf})
-    assert started.status_code == 303, started.text
-    location: str = started.headers["location"]
-    return location
+    return provider_url(started)
 
 
 async def approve_at_provider(http: httpx2.AsyncClient, authorize_url: str) -> str:

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..conftest import count_rows
 from ..support.broker import BrokerProcess, LogWindow
-from ..support.clients import Browser, McpHttp
+from ..support.clients import Browser, McpHttp, provider_url
 from ..support.fake_github import FakeGitHub
 from ..support.idp import IdpProcess
 from ..support.schema import validate_response
@@ -574,23 +574,30 @@ async def test_t9_opening_the_link_shows_consent_and_only_the_post_redirects(
     assert len(params["state"]) == 43
 
 
-async def test_t9_consent_page_csp_lets_the_form_post_redirect_to_the_provider(
+async def test_t9_consent_page_csp_keeps_forms_on_the_broker(
     mcp: McpHttp, token_for: Any, browser: Browser, fake: FakeGitHub
 ) -> None:
-    """T9/H7. Chromium applies `form-action` to the redirect after a form POST, so the consent
-    page's CSP must allow the provider's origin (and nothing broader), and forbid framing."""
+    """T9/H7. The consent page's forms post to the broker only (`form-action 'self'`, no
+    provider origin: its answer sends the browser on with a refresh, not a redirect, which
+    Chromium would check against `form-action` at every hop), and it cannot be framed. The
+    answer itself is a page under the same policy, never cached."""
     user = unique("cb-t9-csp")
     opened = await open_flow(mcp, token_for(user))
     await browser.login_as(user, next_path=f"/connect/{opened.flow_id}")
 
     page = await browser.get(f"/connect/{opened.flow_id}")
+    csrf = await browser.csrf_token(f"/connect/{opened.flow_id}")
+    started = await browser.post(f"/connect/{opened.flow_id}/start", data={"csrf": csrf})
 
-    directives = {
-        part.strip().split(" ", 1)[0]: part.strip().split(" ")[1:]
-        for part in page.headers["content-security-policy"].split(";")
-    }
-    assert directives["form-action"] == ["'self'", fake.url]
-    assert directives["frame-ancestors"] == ["'none'"]
+    for answer in (page, started):
+        directives = {
+            part.strip().split(" ", 1)[0]: part.strip().split(" ")[1:]
+            for part in answer.headers["content-security-policy"].split(";")
+        }
+        assert directives["form-action"] == ["'self'"]
+        assert directives["frame-ancestors"] == ["'none'"]
+        assert answer.headers["cache-control"] == "no-store"
+    assert provider_url(started).startswith(f"{fake.authorize_url}?")
 
 
 async def test_t9_start_without_csrf_token_gives_no_provider_location(
@@ -627,10 +634,9 @@ async def test_t10_state_is_chosen_by_the_server_fresh_for_every_start(
     )
     again = await start_at_broker(browser, opened.flow_id)
 
-    assert fixed.status_code == 303
-    first, second = query(fixed.headers["location"])["state"], query(again)["state"]
+    first, second = query(provider_url(fixed))["state"], query(again)["state"]
     assert first != "attacker"
-    assert "attacker" not in fixed.headers["location"]
+    assert "attacker" not in provider_url(fixed)
     assert first != second
     assert len(first) == len(second) == 43
     stored = (await flow_of(db, opened.flow_id))["state_digest"]

@@ -7,8 +7,8 @@ naming another issuer (OpenID Connect Discovery 1.0 §4.3), or endpoints that fa
 configured URLs (a token endpoint on plain http to another host would receive the code and the
 client secret), is refused whole: the start answers that the provider could not be reached, the
 flow stays `pending`, the log names the member and the rule, and nothing the document names is
-contacted. The same server with a valid document is started as usual (a 303 to its
-authorization endpoint).
+contacted. The same server with a valid document is started as usual (a page sending the browser
+on to its authorization endpoint).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from app.db import create_engine
 from ..auth.hostile_issuer import ANY_ADDRESS, DISCOVERY, HostileIssuer, via_any_address
 from ..conftest import flow_row
 from ..support.broker import LogWindow
-from ..support.clients import Browser, McpHttp
+from ..support.clients import Browser, McpHttp, provider_url
 from ..support.idp import generate_rsa_jwk
 from ..support.stack import Stack, running_stack
 from .flows import elicit, press_continue
@@ -153,8 +153,7 @@ async def test_a_valid_discovery_document_sends_the_browser_to_its_endpoint(
     """The control: the same kind of server, with a document that passes, is started."""
     flow_id, started = await start(stack, mcp, browser, "honest")
 
-    assert started.status_code == 303, started.text
-    location = urlsplit(started.headers["location"])
+    location = urlsplit(provider_url(started))
     assert f"{location.scheme}://{location.netloc}{location.path}" == f"{issuers.honest.url}/auth"
     row = await flow_row(stack_db, flow_id) or {}
     assert (row["provider"], row["status"]) == ("honest", "authorizing"), row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import html
 import itertools
 import re
 from http.cookies import SimpleCookie
@@ -188,3 +189,17 @@ def flow_id_from(result: dict[str, Any]) -> tuple[str, str]:
     ((key, request),) = result["inputRequests"].items()
     url: str = request["params"]["url"]
     return key, url.rsplit("/", 1)[1]
+
+
+REFRESH = re.compile(r'<meta http-equiv="refresh" content="0; url=([^"]+)">')
+PROVIDER_LINK = re.compile(r'<a href="([^"]+)" data-action="go-to-provider"')
+
+
+def provider_url(started: httpx2.Response) -> str:
+    """The provider's authorize URL that the consent form's answer sends the browser on to (a
+    page with a refresh and the same URL as a link: templates/connect/continue.html)."""
+    assert started.status_code == 200, started.text
+    refresh, link = REFRESH.search(started.text), PROVIDER_LINK.search(started.text)
+    assert refresh is not None and link is not None, started.text
+    assert refresh.group(1) == link.group(1)
+    return html.unescape(refresh.group(1))
