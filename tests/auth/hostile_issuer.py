@@ -13,10 +13,10 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..support.idp import public_jwk
+from ..support.local_http import LocalServer, QuietHandler
 
 DISCOVERY = "/.well-known/openid-configuration"
 # Never bound: a URL host that is not loopback by its name, which Linux connects to loopback.
@@ -43,11 +43,15 @@ class HostileIssuer:
         self.sent = 0
         self.hits: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._server = LocalServer(self._handler(), name="hostile-issuer")
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def url(self) -> str:
+        return self._server.url
 
     def valid_document(self, url: str) -> dict[str, Any]:
         return {
@@ -68,10 +72,10 @@ class HostileIssuer:
             self.raw, self.raw_size, self.sent = raw, size, 0
             self.hits.clear()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
+    def _handler(self) -> type[QuietHandler]:
         issuer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 with issuer._lock:
                     issuer.hits[self.path] += 1
@@ -109,16 +113,11 @@ class HostileIssuer:
                 except OSError:
                     pass  # the broker stopped reading and closed the connection
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
         return Handler
 
     def __enter__(self) -> HostileIssuer:
-        self._thread.start()
+        self._server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.stop()

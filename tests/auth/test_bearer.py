@@ -45,6 +45,7 @@ from ..support.idp import (
     public_jwk,
     unverified_jwt,
 )
+from ..support.local_http import LocalServer, QuietHandler
 from ..support.schema import validate_response
 
 JWKS_COOLDOWN = 30.0  # identity.jwks_refresh_cooldown_seconds's default (panva/jose's too)
@@ -131,10 +132,8 @@ def signer(jwk: dict[str, Any], *, issuer: str, audience: str) -> Callable[..., 
 
 
 class _CountingServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(("127.0.0.1", 0), handler)
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
         self.connections = 0
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
@@ -157,13 +156,18 @@ class LocalIssuer:
         self.hits: Counter[str] = Counter()
         self.failed_hits = 0
         self._lock = threading.Lock()
-        self._server = _CountingServer(self._handler())
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._local = LocalServer(
+            self._handler(), server_class=_CountingServer, name="local-issuer"
+        )
+        self._server: _CountingServer | None = None  # the one started last, still counted
+
+    @property
+    def url(self) -> str:
+        return self._local.url
 
     @property
     def connections(self) -> int:
-        return self._server.connections
+        return self._server.connections if self._server is not None else 0
 
     def _documents(self) -> dict[str, dict[str, Any]]:
         return {
@@ -177,7 +181,7 @@ class LocalIssuer:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         issuer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 with issuer._lock:
                     issuer.hits[self.path] += 1
@@ -194,19 +198,16 @@ class LocalIssuer:
                 self.end_headers()
                 self.wfile.write(payload)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # keep test output clean
-
         return Handler
 
     def __enter__(self) -> LocalIssuer:
-        self._thread.start()
+        server = self._local.start()
+        assert isinstance(server, _CountingServer)
+        self._server = server
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._local.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx2
@@ -31,6 +30,7 @@ from ..support.clients import Browser, McpHttp, provider_url
 from ..support.fake_github import FakeGitHub, TokenFault
 from ..support.http import local_client
 from ..support.idp import IdpProcess, free_port, mint_token
+from ..support.local_http import LocalServer, QuietHandler
 from ..support.stack import running_stack
 from .flows import (
     authorize,
@@ -324,7 +324,7 @@ class HangingIssuer:
 def hanging_issuer() -> Iterator[HangingIssuer]:
     issuer = HangingIssuer()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             issuer.requests += 1
             issuer.release.wait(HOLD_SECONDS)
@@ -332,19 +332,12 @@ def hanging_issuer() -> Iterator[HangingIssuer]:
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    issuer.url = f"http://127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield issuer
-    finally:
-        issuer.release.set()
-        server.shutdown()
-        server.server_close()
+    with LocalServer(Handler, name="hanging-issuer") as server:
+        issuer.url = server.url
+        try:
+            yield issuer
+        finally:
+            issuer.release.set()
 
 
 @dataclass(frozen=True)

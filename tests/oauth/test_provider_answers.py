@@ -16,9 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
@@ -32,6 +30,7 @@ from app.models import PendingRevocation
 from ..conftest import count_rows, flow_row
 from ..support.broker import LogWindow, database_kind
 from ..support.clients import Browser, McpHttp
+from ..support.local_http import LocalServer, QuietHandler
 from ..support.stack import Stack, running_stack
 from .helpers import approve_at_provider, connection_row, deliver, open_flow, start_at_broker
 from .helpers import unique as fresh_user
@@ -90,7 +89,7 @@ class ScriptedProvider:
 def scripted_provider() -> Iterator[ScriptedProvider]:
     provider = ScriptedProvider()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             query = dict(parse_qsl(urlsplit(self.path).query))
             back = {"code": f"code_{secrets.token_hex(8)}", "state": query.get("state", "")}
@@ -108,18 +107,9 @@ def scripted_provider() -> Iterator[ScriptedProvider]:
             self.end_headers()
             self.wfile.write(answer.body)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    provider.url = f"http://127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with LocalServer(Handler, name="scripted-provider") as server:
+        provider.url = server.url
         yield provider
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from .local_http import LocalServer, QuietHandler
 
 TEAM = {"id": "T0CANARY", "name": "Acme Workspace"}
 ROTATED_TOKEN_SECONDS = 43200  # 12 hours
@@ -196,7 +197,7 @@ def _state(query: dict[str, str]) -> dict[str, str]:
 def running_fake_slack(redirect_uri: str) -> Iterator[FakeSlack]:
     fake = FakeSlack(redirect_uri=redirect_uri)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             parts = urlsplit(self.path)
             if parts.path != "/oauth/v2/authorize":
@@ -228,16 +229,6 @@ def running_fake_slack(redirect_uri: str) -> Iterator[FakeSlack]:
             self.end_headers()
             self.wfile.write(raw)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="fake-slack", daemon=True)
-    thread.start()
-    try:
+    with LocalServer(Handler, name="fake-slack") as server:
+        fake.url = server.url
         yield fake
-    finally:
-        server.shutdown()
-        server.server_close()

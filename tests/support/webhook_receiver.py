@@ -1,6 +1,6 @@
 """A webhook receiver: records every POST it is sent (headers and body) and answers `status`.
 
-Served by the standard library's threading HTTP server on 127.0.0.1, on a port of its own that
+Served by a LocalServer (tests/support/local_http.py) on 127.0.0.1, on a port of its own that
 stays the receiver's across `stop` and `start` (a receiver that is down, then back).
 """
 
@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .idp import free_port
+from .local_http import LocalServer, QuietHandler
 
 WAIT_SECONDS = 15.0
 
@@ -40,7 +40,7 @@ class Receiver:
     delay: float = 0.0  # seconds before answering
     deliveries: list[Delivery] = field(default_factory=list)  # the 2xx answered
     requests: int = 0  # every POST received
-    _server: ThreadingHTTPServer | None = None
+    _server: LocalServer | None = None  # made at the first `start`, on `port`
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -62,9 +62,18 @@ class Receiver:
         return found
 
     def start(self) -> None:
+        if self._server is None:
+            self._server = LocalServer(self._handler(), port=self.port, name="webhook-receiver")
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+    def _handler(self) -> type[QuietHandler]:
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
@@ -83,20 +92,7 @@ class Receiver:
                     self.end_headers()
                     self.wfile.write(b"ok")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        server.block_on_close = False  # a stop does not wait for a slow answer
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="webhook-receiver", daemon=True).start()
-        self._server = server
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        return Handler
 
 
 @contextmanager
