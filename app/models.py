@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     Index,
     Integer,
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     text,
+    true,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -201,6 +203,9 @@ class PendingRevocation(Base):
     audience: Mapped[str] = mapped_column(String(64))
     sealed_credential: Mapped[str] = mapped_column(Text)  # unsealed only in app/credentials.py
     key_id: Mapped[str] = mapped_column(String(32))
+    # False: revoke this token only, as another connection of the same upstream account remains
+    # (where the provider tells the two apart: GitHub's grant ends every token of the account)
+    whole_grant: Mapped[bool] = mapped_column(Boolean, server_default=true())
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(String(64))
     next_attempt_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)

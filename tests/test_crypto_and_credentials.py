@@ -285,7 +285,7 @@ async def test_i5_rotation_reseals_the_tokens_of_revocations_still_to_make(
         row = (
             await session.execute(select(Connection).where(Connection.subject == "leaving"))
         ).scalar_one()
-        revocations.queue(session, row)
+        await revocations.queue(session, row)
         await session.delete(row)
 
     async with sessions.begin() as session:

@@ -62,7 +62,8 @@ async def disconnect(
     if row is None:
         return NOTHING
     secret = credentials.open_row(row, keys=revoker.sealing)
-    pending = revocations.queue(session, row) if secret and revoker.revocable(provider) else None
+    revocable = secret and revoker.revocable(provider)
+    pending = await revocations.queue(session, row) if revocable else None
     await credentials.remove(session, row)
     await audit.record(
         session,

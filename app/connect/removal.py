@@ -35,7 +35,7 @@ async def remove_connection(
     secret = credentials.open_row(row, keys=sealing)
     queued = bool(secret) and revocations.revocable(providers, row.provider) is not None
     if queued:
-        revocations.queue(session, row, due_now=True)
+        await revocations.queue(session, row, due_now=True)
     await credentials.remove(session, row)
     if event is not None:
         await audit.record(

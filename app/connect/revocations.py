@@ -33,6 +33,7 @@ from app.models import Connection, PendingRevocation
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.security_log import SecurityLog
+from app.tables import connections as connections_table
 
 logger = logging.getLogger("broker.providers")
 
@@ -57,6 +58,7 @@ class Claimed:
     secret: dict[str, str] | None = field(repr=False)
     principal: Principal | None = None  # whose grant (for the audit event of its outcome)
     audience: str | None = None
+    whole_grant: bool = True  # False: this token only (another connection holds the account)
 
     @classmethod
     def of(cls, row: PendingRevocation, secret: dict[str, str] | None) -> Claimed:
@@ -67,14 +69,24 @@ class Claimed:
             secret,
             Principal(row.issuer, row.subject),
             row.audience,
+            row.whole_grant,
         )
 
 
-def queue(session: AsyncSession, row: Connection, *, due_now: bool = False) -> PendingRevocation:
+async def queue(
+    session: AsyncSession, row: Connection, *, due_now: bool = False
+) -> PendingRevocation:
     """Queue the revocation of the grant in `row` (being deleted in the same transaction). Its
     first attempt is the caller's, and the sweep leaves it alone for CLAIM_SECONDS; unless
-    `due_now`: then the next sweep makes it."""
+    `due_now`: then the next sweep makes it.
+
+    The whole grant is revoked only when no other connection (of any user, through any
+    audience) holds the same upstream account: a provider such as GitHub ends every token of
+    the account with its grant. Otherwise, and when the account is not known (a connection made
+    before accounts were told apart), only this connection's token is."""
     now = utcnow()
+    statement = connections_table.others_of_account(row.id, row.provider, row.account_id)
+    shared = not row.account_id or bool(await session.scalar(statement))
     pending = PendingRevocation(
         issuer=row.issuer,
         subject=row.subject,
@@ -82,6 +94,7 @@ def queue(session: AsyncSession, row: Connection, *, due_now: bool = False) -> P
         audience=row.audience,
         sealed_credential=row.sealed_credential,  # sealed for the same owner, provider, audience
         key_id=row.key_id,
+        whole_grant=not shared,
         attempts=0,
         next_attempt_at=now if due_now else now + timedelta(seconds=CLAIM_SECONDS),
         created_at=now,
@@ -178,7 +191,9 @@ class Revoker:
         if not claimed.secret:
             return UNREADABLE
         try:
-            await oauth.revoke(settings, self._http, claimed.secret)
+            await oauth.revoke(
+                settings, self._http, claimed.secret, whole_grant=claimed.whole_grant
+            )
         except oauth.UpstreamError as exc:
             return exc.reason
         return None

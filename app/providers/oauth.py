@@ -241,9 +241,15 @@ def _label(provider: OAuthProviderSettings, document: Any, claim: str) -> str | 
 
 
 async def revoke(
-    provider: OAuthProviderSettings, http: httpx2.AsyncClient, secret: dict[str, str]
+    provider: OAuthProviderSettings,
+    http: httpx2.AsyncClient,
+    secret: dict[str, str],
+    *,
+    whole_grant: bool = True,
 ) -> None:
-    """Revoke the grant upstream where the provider supports it.
+    """Revoke the grant upstream where the provider supports it; with `whole_grant` False,
+    only this token where the provider tells the two apart (GitHub: the grant's revocation ends
+    every token of the OAuth app for that account; RFC 7009 revokes the token sent).
 
     Raises:
         UpstreamError: the provider did not confirm the revocation.
@@ -252,9 +258,10 @@ async def revoke(
         return
     if provider.revocation == "github":
         base = provider.api_base_url or "https://api.github.com"
+        what = "grant" if whole_grant else "token"
         request = http.build_request(
             "DELETE",
-            f"{base}/applications/{provider.client_id}/grant",
+            f"{base}/applications/{provider.client_id}/{what}",
             json={"access_token": secret["access_token"]},
             headers={"Accept": "application/vnd.github+json", **_basic_credentials(provider)},
         )

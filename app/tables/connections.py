@@ -218,6 +218,17 @@ def remove(connection_id: int) -> Delete:
     return delete(Connection).where(Connection.id == connection_id)
 
 
+def others_of_account(connection_id: int, provider: str, account_id: str) -> Select[tuple[bool]]:
+    """Whether a connection other than `connection_id` holds the same upstream account at
+    `provider`, for any user and through any audience."""
+    others = select(Connection.id).where(
+        Connection.provider == provider,
+        Connection.account_id == account_id,
+        Connection.id != connection_id,
+    )
+    return select(others.exists())
+
+
 def sealed_with_another_key(key_id: str) -> Select[Connection]:
     return select(Connection).where(Connection.key_id != key_id)
 

@@ -522,3 +522,40 @@ async def test_disconnect_button_revokes_the_grant_upstream_and_deletes_the_conn
     assert await count_rows(db, "connections", subject=user) == 0
     assert fake_github.revocations == 1
     assert probe.status_code == 401
+
+
+async def test_disconnecting_one_of_two_connections_of_a_github_account_revokes_its_token_only(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    second_browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+) -> None:
+    """GitHub's grant revocation ends every token of the OAuth app for that GitHub account. Two
+    broker users connected the same account (a shared account; the same holds for one user
+    through two services): the first disconnect must revoke its own token only, or the other
+    connection would stop working with nobody told; the last one revokes the whole grant."""
+    fake_github.next_user = fresh_user("shared-gh")
+    ann, ben = fresh_user("shared-ann"), fresh_user("shared-ben")
+    await connect(mcp, browser, token_for(ann), ann)
+    ann_github = fake_github.issued_access_tokens[-1]
+    await connect(mcp, second_browser, token_for(ben), ben)
+    ben_github = fake_github.issued_access_tokens[-1]
+
+    first = await disconnect_with_the_tool(mcp, token_for(ann))
+    after_first = (fake_github.revocations, fake_github.grant_revocations)
+    live_after_first = (fake_github.is_live(ann_github), fake_github.is_live(ben_github))
+    whoami = await mcp.call_tool(token_for(ben), "github_whoami", {})
+    last = await disconnect_with_the_tool(mcp, token_for(ben))
+
+    for done in (first, last):
+        assert tool_result(done)["structuredContent"]["status"] == "disconnected"
+        assert tool_result(done)["structuredContent"]["revoked_upstream"] is True
+    assert after_first == (1, 0)
+    assert live_after_first == (False, True)
+    assert tool_result(whoami)["structuredContent"]["login"] == fake_github.next_user
+    assert (fake_github.revocations, fake_github.grant_revocations) == (2, 1)
+    assert not fake_github.is_live(ben_github)
+    assert await count_rows(db, "connections", subject=ann) == 0
+    assert await count_rows(db, "connections", subject=ben) == 0

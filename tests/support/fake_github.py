@@ -3,7 +3,9 @@
 It is the third-party boundary for SECURITY.md groups E and F, and mimics GitHub's quirks: token
 endpoint errors come in a 200 body, the token response format follows ``Accept`` (JSON or
 form-encoded), granted scopes are comma-separated, and expiring tokens come with a refresh token
-that rotates on use. Fault switches (``token_fault``, ``user_fault``, ``revoke_fault``) fire once,
+that rotates on use, and revoking the app's grant for a user (``/applications/{id}/grant``) ends
+every token of that user, where revoking a token (``/applications/{id}/token``) ends that one.
+Fault switches (``token_fault``, ``user_fault``, ``revoke_fault``) fire once,
 or on every call while ``sticky_faults`` is set. Everything it issues carries a canary prefix
 (``CANARYCODE``, ``gho_CANARYTOKEN``, ``ghr_CANARY``) for the I1 sweep.
 
@@ -115,7 +117,8 @@ class FakeGitHub:
     token_calls: int
     refresh_calls: int
     user_calls: int
-    revocations: int
+    revocations: int  # grant and token revocations
+    grant_revocations: int  # those of the whole grant: every token of the user ends
 
     def __init__(
         self,
@@ -146,6 +149,7 @@ class FakeGitHub:
                 Route("/user", self._user, methods=["GET"]),
                 Route("/user/repos", self._repos, methods=["GET"]),
                 Route("/applications/{client_id}/grant", self._revoke, methods=["DELETE"]),
+                Route("/applications/{client_id}/token", self._revoke, methods=["DELETE"]),
             ]
         )
         self.reset()
@@ -221,7 +225,7 @@ class FakeGitHub:
         self.sticky_faults = False
         self.token_fault = self.user_fault = self.revoke_fault = None
         self.authorize_hits = self.token_calls = self.refresh_calls = 0
-        self.user_calls = self.revocations = 0
+        self.user_calls = self.revocations = self.grant_revocations = 0
         for log in (self.seen_authorization, self.authorize_requests):
             log.clear()
         self.issued_access_tokens.clear()
@@ -441,6 +445,13 @@ class FakeGitHub:
         token = self._access.pop(access_token, None) if isinstance(access_token, str) else None
         if token is None:
             return JSONResponse({"message": "Not Found"}, status_code=404)
-        if token.refresh_token:
-            self._refresh.pop(token.refresh_token, None)
+        ended = [token]
+        if request.url.path.endswith("/grant"):  # as GitHub: every token of the app for the user
+            self.grant_revocations += 1
+            ended += [t for t in self._access.values() if t.user == token.user]
+            ended += [t for t in self._refresh.values() if t.user == token.user]
+        for each in ended:
+            self._access.pop(each.access_token, None)
+            if each.refresh_token:
+                self._refresh.pop(each.refresh_token, None)
         return Response(status_code=204)
