@@ -178,6 +178,9 @@ async def _exchange_and_store(
     state: str,
     verifier: str,
 ) -> None:
+    """Exchange the code, then store the tokens and complete the flow, committed here. Tokens
+    obtained but not stored (their ID token refused, the flow moved on meanwhile, or an error
+    while storing them) are revoked at the provider (`OAuthGrants.discard`)."""
     try:
         target = await grants.endpoints(provider)
         tokens = await oauth.exchange_code(
@@ -189,13 +192,26 @@ async def _exchange_and_store(
             verifier=verifier,
             requested=flow.scopes,
         )
-        id_claims = await grants.verify_id_token(provider, tokens, state)
     except oauth.UpstreamError as exc:
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
-    account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
-    await grants.complete(session, flow=flow, tokens=tokens, account=account)
+    try:
+        id_claims = await grants.verify_id_token(provider, tokens, state)
+    except oauth.UpstreamError as exc:
+        logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
+        await oauth_service.fail(session, flow=flow, reason=exc.reason)
+        await grants.discard(provider, tokens, flow_id=flow.id, why=exc.reason)
+        return
+    try:
+        account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
+        stored = await grants.complete(session, flow=flow, tokens=tokens, account=account)
+        await session.commit()  # stored before the browser is told, or discarded below
+    except Exception:
+        await grants.discard(provider, tokens, flow_id=flow.id, why="not_stored")
+        raise
+    if not stored:  # the flow's lease ran out and it moved on: nothing was stored
+        await grants.discard(provider, tokens, flow_id=flow.id, why="flow_moved_on")
 
 
 async def _release(session: AsyncSession, flow: FlowView) -> None:

@@ -9,6 +9,7 @@ flow's failure, a revocation's last error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -38,6 +39,7 @@ from .helpers import unique as fresh_user
 pytestmark = pytest.mark.both_databases
 
 PROVIDER = "scripted"
+HOLD_SECONDS = 10.0  # a held token answer waits at most this long
 TRY_AGAIN = "Scripted had a problem completing the connection. Nothing was stored; try again."
 CONTINUE_BUTTON = 'data-action="continue"'
 FORGED = "\n2099-01-01 00:00:00,000 WARNING broker.security FORGED"
@@ -62,26 +64,35 @@ def token_answer() -> Answer:
 @dataclass
 class ScriptedProvider:
     """An OAuth provider whose authorize endpoint approves at once and whose token and
-    revocation endpoints answer `token` and `revocation` (None: as a working provider)."""
+    revocation endpoints answer `token` and `revocation` (None: as a working provider). The
+    token endpoint answers only once `hold` is set; `revoked` lists the form bodies posted to the
+    revocation endpoint."""
 
     url: str = ""
     token: Answer | None = None
     revocation: Answer | None = None
     token_calls: int = 0
     revocations: int = 0
+    hold: threading.Event = field(default_factory=threading.Event)
+    revoked: list[dict[str, str]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self) -> None:
         with self._lock:
             self.token = self.revocation = None
             self.token_calls = self.revocations = 0
+            self.revoked.clear()
+            self.hold.set()
 
-    def answer(self, path: str) -> Answer:
-        with self._lock:
-            if path == "/token":
+    def answer(self, path: str, body: bytes) -> Answer:
+        if path == "/token":
+            with self._lock:
                 self.token_calls += 1
-                return self.token or token_answer()
+            self.hold.wait(HOLD_SECONDS)
+            return self.token or token_answer()
+        with self._lock:
             self.revocations += 1
+            self.revoked.append(dict(parse_qsl(body.decode())))
             return self.revocation or Answer(200, "application/json", b"{}")
 
 
@@ -99,8 +110,8 @@ def scripted_provider() -> Iterator[ScriptedProvider]:
             self.end_headers()
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            answer = provider.answer(urlsplit(self.path).path)
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            answer = provider.answer(urlsplit(self.path).path, body)
             self.send_response(answer.status)
             self.send_header("Content-Type", answer.content_type)
             self.send_header("Content-Length", str(len(answer.body)))
@@ -366,9 +377,12 @@ async def test_a_failure_after_the_claim_puts_the_flow_back_to_pending(clients: 
     """Whatever fails once the flow is claimed (here the credential's insert, waiting on a lock
     until the statement timeout), the flow goes back to `pending` at once, with nothing stored,
     instead of staying `exchanging` until its lease runs out; the failure still answers as such
-    (503, the database's page)."""
+    (503, the database's page), and the tokens the provider issued are revoked."""
     user = fresh_user("claimed")
     flow_id, callback_url = await clients.at_callback(user)
+    issued = f"tok_{secrets.token_hex(16)}"
+    clients.provider.token = json_answer({"access_token": issued, "token_type": "bearer"})
+    log = clients.log()
 
     async with clients.db.connect() as locker:
         await locker.execute(text("LOCK TABLE connections IN EXCLUSIVE MODE"))
@@ -380,3 +394,35 @@ async def test_a_failure_after_the_claim_puts_the_flow_back_to_pending(clients: 
     assert clients.provider.token_calls == 1
     await assert_pending(clients.db, flow_id, user, reason="internal_error")
     assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
+    assert [form["token"] for form in clients.provider.revoked] == [issued]  # discarded
+    assert await log.shows(f"token_exchange.discarded flow_id={flow_id} why=not_stored revoked=yes")
+
+
+async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Clients) -> None:
+    """The provider answers the code exchange after the flow's lease ran out and the flow moved
+    on (here: back to `pending`, as the housekeeping does): nothing is stored, and the tokens it
+    issued are revoked at once rather than left valid with nobody holding them."""
+    user = fresh_user("moved-on")
+    flow_id, callback_url = await clients.at_callback(user)
+    issued = f"tok_{secrets.token_hex(16)}"
+    clients.provider.token = json_answer({"access_token": issued, "token_type": "bearer"})
+    clients.provider.hold.clear()
+    log = clients.log()
+
+    delivering = asyncio.create_task(deliver(clients.browser, callback_url))
+    async with asyncio.timeout(HOLD_SECONDS):
+        while clients.provider.token_calls == 0:
+            await asyncio.sleep(0.02)
+    async with clients.db.begin() as connection:
+        await connection.execute(
+            text("UPDATE flows SET status = 'pending' WHERE id = :id"), {"id": flow_id}
+        )
+    clients.provider.hold.set()
+    callback = await delivering
+
+    assert callback.status_code == 303, callback.text
+    assert await count_rows(clients.db, "connections", subject=user) == 0
+    assert [form["token"] for form in clients.provider.revoked] == [issued]
+    assert await log.shows(
+        f"token_exchange.discarded flow_id={flow_id} why=flow_moved_on revoked=yes"
+    )
