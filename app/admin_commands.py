@@ -12,21 +12,28 @@ from app.config import Settings, load_serve_settings
 
 def keys_rotate(args: argparse.Namespace) -> int:
     from app import audit
-    from app.credentials import reseal_all
+    from app.credentials import Resealed, reseal_all
     from app.crypto import Keyring
 
     settings = load_serve_settings(args.config)
     keys = Keyring.parse(tuple(k.get_secret_value() for k in settings.keys.encryption))
     key_id = keys.current()[0]
 
-    async def rotate(session: Any) -> int:
-        count = await reseal_all(session, keys=keys)
-        detail = f"key={key_id} resealed={count}"
+    async def rotate(session: Any) -> Resealed:
+        done = await reseal_all(session, keys=keys)
+        detail = f"key={key_id} resealed={done.resealed} unopened={done.unopened}"
         await audit.record(session, "keys.rotated", actor=audit.CLI, detail=detail)
-        return count
+        return done
 
-    count = with_session(settings, rotate)
-    print(f"re-sealed {count} credential(s) with key {key_id}")
+    done: Resealed = with_session(settings, rotate)
+    print(f"re-sealed {done.resealed} credential(s) with key {key_id}")
+    if done.unopened:
+        print(
+            f"error: {done.unopened} credential(s) could not be opened with any configured key "
+            "(the log names them); keep the old keys until they are re-sealed or removed",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm.attributes import set_committed_value
 
 from app import audit, jsonbytes
 from app.auth.principal import Principal
@@ -229,24 +230,51 @@ def as_credential(row: SealedRow, secret: dict[str, str], *, accounts: int = 1) 
     )
 
 
-def replace_tokens(
+async def replace_tokens(
+    session: AsyncSession,
     row: Connection,
     *,
     keys: Keyring,
     secret: dict[str, str],
     scopes: frozenset[str],
     expires_at: datetime | None,
-) -> None:
-    """Re-seal a refreshed token set into its (locked) row; committed by the caller."""
-    row.sealed_credential = seal(
+) -> bool:
+    """Re-seal a refreshed token set into `row` if the row is as it was read (committed by the
+    caller); False when it changed or went meanwhile, and nothing is written."""
+    sealed = seal(
         _sealed_text(secret, row.account_id),
         purpose=_purpose(row.issuer, row.subject, row.provider, row.audience),
         keys=keys,
     )
-    row.key_id = sealed_key_id(row.sealed_credential)
-    row.scopes = " ".join(sorted(scopes))
-    row.expires_at = expires_at
-    row.updated_at = utcnow()
+    values = {
+        "sealed_credential": sealed,
+        "key_id": sealed_key_id(sealed),
+        "scopes": " ".join(sorted(scopes)),
+        "expires_at": expires_at,
+        "updated_at": utcnow(),
+    }
+    return await _update_if_unchanged(session, row, values)
+
+
+async def mark_needs_reauth(session: AsyncSession, row: Connection) -> bool:
+    """Mark the connection as needing the user to connect again (the provider refused its
+    refresh token), if the row is as it was read; False when it changed or went meanwhile."""
+    values = {"status": ConnectionStatus.needs_reauth, "updated_at": utcnow()}
+    return await _update_if_unchanged(session, row, values)
+
+
+async def _update_if_unchanged(
+    session: AsyncSession, row: Connection, values: Mapping[str, object]
+) -> bool:
+    """`values` written to `row` only if its sealed credential is still the one read; the
+    loaded row then shows them (without the session writing them a second time)."""
+    statement = connections_table.replace_if_unchanged(row.id, row.sealed_credential, values)
+    result = await session.execute(statement)
+    if getattr(result, "rowcount", 0) != 1:
+        return False
+    for name, value in values.items():
+        set_committed_value(row, name, value)
+    return True
 
 
 async def list_for(
@@ -360,37 +388,51 @@ async def remove(session: AsyncSession, row: Connection) -> bool:
     return bool(getattr(result, "rowcount", 0))
 
 
-async def reseal_all(session: AsyncSession, *, keys: Keyring) -> int:
-    """Re-encrypt every credential not sealed with the active key (after a key rotation): the
-    connections' and those of revocations still to make.
+@dataclass(frozen=True)
+class Resealed:
+    """What a key rotation did: credentials re-sealed with the active key, and those no
+    configured key opens (left as they are, each logged)."""
 
-    Rows that no configured key opens are left untouched and logged.
-    """
+    resealed: int
+    unopened: int
+
+
+async def reseal_all(session: AsyncSession, *, keys: Keyring) -> Resealed:
+    """Re-encrypt every credential not sealed with the active key (after a key rotation): the
+    connections' and those of revocations still to make."""
     active_id, _ = keys.current()
     connections = await session.execute(connections_table.sealed_with_another_key(active_id))
     revocations = await session.execute(
         select(PendingRevocation).where(PendingRevocation.key_id != active_id)
     )
-    rows: list[Connection | PendingRevocation] = [
-        *connections.scalars(),
-        *revocations.scalars(),
-    ]
-    count = sum(_reseal(row, keys=keys) for row in rows)
+    resealed = unopened = 0
+    for connection in connections.scalars():
+        sealed = _resealed(connection, keys=keys)
+        unopened += sealed is None
+        values = {"sealed_credential": sealed, "key_id": sealed_key_id(sealed)} if sealed else {}
+        # written only if unchanged since read: a refresh meanwhile sealed it with the active key
+        if values and await _update_if_unchanged(session, connection, values):
+            resealed += 1
+    for pending in revocations.scalars():  # nothing but a rotation rewrites these
+        sealed = _resealed(pending, keys=keys)
+        unopened += sealed is None
+        if sealed:
+            pending.sealed_credential, pending.key_id = sealed, sealed_key_id(sealed)
+            resealed += 1
     await session.flush()
-    return count
+    return Resealed(resealed, unopened)
 
 
-def _reseal(row: Connection | PendingRevocation, *, keys: Keyring) -> bool:
+def _resealed(row: Connection | PendingRevocation, *, keys: Keyring) -> str | None:
+    """The row's credential sealed with the active key; None (logged) when no key opens it."""
     purpose = _purpose(row.issuer, row.subject, row.provider, row.audience)
     try:
         plaintext = unseal(row.sealed_credential, purpose=purpose, keys=keys)
     except InvalidSeal:
         logger.warning("credential.decrypt_failed %s=%s", _kind(row), row.id)
-        return False
+        return None
     if row.account_id is not None:  # a connection sealed before the account was bound: bind it
         secret = jsonbytes.loads(plaintext)
         if isinstance(secret, dict) and BOUND_ACCOUNT not in secret:
             plaintext = _sealed_text(secret, row.account_id)
-    row.sealed_credential = seal(plaintext, purpose=purpose, keys=keys)
-    row.key_id = sealed_key_id(row.sealed_credential)
-    return True
+    return seal(plaintext, purpose=purpose, keys=keys)

@@ -250,7 +250,7 @@ async def test_i5_rotation_reseals_every_row_and_old_keys_can_then_go(
     rotating = Keyring.parse((new, old))
 
     async with sessions.begin() as session:
-        count = await credentials.reseal_all(session, keys=rotating)
+        count = (await credentials.reseal_all(session, keys=rotating)).resealed
     async with sessions() as session:
         key_ids = set((await session.execute(select(Connection.key_id))).scalars())
         after = await read_credential(
@@ -289,7 +289,7 @@ async def test_i5_rotation_reseals_the_tokens_of_revocations_still_to_make(
         await session.delete(row)
 
     async with sessions.begin() as session:
-        count = await credentials.reseal_all(session, keys=Keyring.parse((new, old)))
+        count = (await credentials.reseal_all(session, keys=Keyring.parse((new, old)))).resealed
     async with sessions() as session:
         queued = (await session.execute(select(PendingRevocation))).scalar_one()
         opened = credentials.open_row(queued, keys=Keyring.parse((new,)))
@@ -368,3 +368,41 @@ def test_i5_keys_rotate_command_reseals_with_the_first_key(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     assert "re-sealed 1 credential(s) with key e-new" in result.stdout
     assert "re-sealed 0 credential(s)" in again.stdout
+
+
+def test_keys_rotate_fails_while_a_credential_no_configured_key_opens_remains(
+    tmp_path: Path,
+) -> None:
+    """The runbook's next step after `keys rotate` is removing the old key: a credential sealed
+    with a key no longer configured must make the command fail and say so, not exit 0."""
+    from .support.broker import BrokerConfig, cli
+
+    lost, new = generate_key("e-lost"), generate_key("e-new")
+    url = fresh_database(tmp_path, "rotate-lost")
+    path = tmp_path / "broker.toml"
+    path.write_text(BrokerConfig(issuer="http://127.0.0.1:1", encryption=[new]).render(url))
+    upgrade(url)
+
+    async def seed() -> None:
+        engine = create_engine(url, pool_size=1)
+        async with create_sessionmaker(engine).begin() as session:
+            await credentials.store(
+                session,
+                keys=Keyring.parse((lost,)),
+                principal=ALICE,
+                provider="demo",
+                audience="mcp",
+                secret={"api_key": "sk_lost"},
+            )
+        await engine.dispose()
+
+    asyncio.run(seed())
+    try:
+        result = cli("keys", "rotate", config_path=path)
+    finally:
+        drop_database(url)
+
+    assert result.returncode == 1
+    assert "re-sealed 0 credential(s) with key e-new" in result.stdout
+    assert "1 credential(s) could not be opened with any configured key" in result.stderr
+    assert "sk_lost" not in result.stdout + result.stderr

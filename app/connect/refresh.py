@@ -5,7 +5,14 @@ One refresh at a time per connection across all processes: the connection row is
 and the expiry is re-checked once the lock is held, so a process that waited uses the token the
 winner stored. A rotated refresh token is committed before the new access token is handed out.
 A refresh the provider rejects (`invalid_grant`) marks the connection `needs_reauth`; the next
-tool call then elicits a new connect flow.
+tool call then elicits a new connect flow. A provider that cannot be reached leaves the
+connection as it is: the token is used while it is valid, and once expired the caller is told to
+retry shortly (`RefreshUnavailable`), never that the user is not connected.
+
+The refreshed tokens are written only if the row is still as it was read (a compare-and-set;
+SQLite takes no row lock, and a disconnect, a key rotation or a new grant may have changed it
+meanwhile). A row re-sealed with another key, holding the same refresh token, takes them; a row
+that went or holds another grant does not, and the new tokens are revoked at once.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -36,7 +43,17 @@ from app.security_log import SecurityLog
 logger = logging.getLogger("broker.providers")
 
 REFRESH_MARGIN = timedelta(minutes=5)
+# a refreshed token answered without a usable lifetime gets its predecessor's, within these bounds
+MIN_LIFETIME = 2 * REFRESH_MARGIN
+MAX_LIFETIME = timedelta(days=1)
 _process_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+class RefreshUnavailable(TimeoutError):
+    """The access token has expired and its provider could not refresh it now (unreachable,
+    failing, or a refresh slot not free in time): answered as the broker's own short
+    unavailability on every surface (503 and `Retry-After`, or JSON-RPC's retry-shortly error),
+    as a refresh waiting for a slot always was."""
 
 
 def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:
@@ -45,6 +62,14 @@ def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:
         and "refresh_token" in secret
         and row.expires_at - utcnow() < REFRESH_MARGIN
     )
+
+
+def _same_lifetime(row: Connection) -> datetime:
+    """When a refreshed token answered without a lifetime expires: as long after now as its
+    predecessor lived (from its last write to its expiry), within MIN_LIFETIME..MAX_LIFETIME, so
+    that it is refreshed again in time rather than never."""
+    before = (row.expires_at - row.updated_at) if row.expires_at else MAX_LIFETIME
+    return utcnow() + min(max(before, MIN_LIFETIME), MAX_LIFETIME)
 
 
 # Connection rows of one principal already read, by (provider, audience); None: read and absent.
@@ -114,8 +139,13 @@ class UsableCredentials:
         settings = self._providers.get(row.provider)
         if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
             return credentials.as_credential(row, secret, accounts=accounts)
-        async with _process_locks[row.id]:
-            found = await self._refresh(settings, connection_id=row.id, provider=row.provider)
+        lock = _process_locks[row.id]
+        try:
+            async with lock:
+                found = await self._refresh(settings, connection_id=row.id, provider=row.provider)
+        finally:
+            if not lock.locked() and _process_locks.get(row.id) is lock:
+                del _process_locks[row.id]  # kept only while a refresh holds or awaits it
         return replace(found, accounts=accounts) if found is not None else None
 
     async def _refresh(
@@ -131,7 +161,7 @@ class UsableCredentials:
                 await self._call_slots.acquire()
         except TimeoutError:
             logger.warning("oauth.refresh_busy provider=%s", provider)
-            raise
+            raise RefreshUnavailable() from None
         try:
             return await self._refresh_holding_a_slot(
                 settings, connection_id=connection_id, provider=provider
@@ -161,26 +191,58 @@ class UsableCredentials:
                     current_scopes=frozenset(row.scopes.split()),
                 )
             except oauth.InvalidGrant:
-                row.status = ConnectionStatus.needs_reauth
-                row.updated_at = utcnow()
-                await self._record(session, "credential.refresh_rejected", row)
-                self._security.event("credential.refresh_rejected", provider=provider)
+                if await credentials.mark_needs_reauth(session, row):
+                    await self._record(session, "credential.refresh_rejected", row)
+                    self._security.event("credential.refresh_rejected", provider=provider)
                 return None
             except oauth.UpstreamError as exc:
                 logger.warning("oauth.refresh_failed provider=%s reason=%s", provider, exc.reason)
-                still_valid = row.expires_at is not None and row.expires_at > utcnow()
-                return credentials.as_credential(row, secret) if still_valid else None
+                if row.expires_at is not None and row.expires_at > utcnow():
+                    return credentials.as_credential(row, secret)
+                raise RefreshUnavailable() from None
             new_secret = {**secret, **tokens.secret()}
-            credentials.replace_tokens(
+            expires_at = tokens.expires_at or _same_lifetime(row)
+            stored = await self._write_refreshed(
+                session, row, secret, new_secret, tokens, expires_at
+            )
+            if stored is None:
+                await self._grants.discard(
+                    settings, tokens, why="connection_changed", about=f"connection={connection_id}"
+                )
+                return None
+            await self._record(session, "credential.refreshed", stored)
+            credential = credentials.as_credential(stored, new_secret)
+        return credential  # returned only after the commit above
+
+    async def _write_refreshed(
+        self,
+        session: AsyncSession,
+        row: Connection,
+        spent: dict[str, str],
+        new_secret: dict[str, str],
+        tokens: oauth.TokenSet,
+        expires_at: datetime | None,
+    ) -> Connection | None:
+        """Write the refreshed tokens if the row is as read, or was only re-sealed meanwhile
+        (the same refresh token under another key); the row written, or None."""
+        for _ in range(2):
+            if await credentials.replace_tokens(
+                session,
                 row,
                 keys=self._sealing,
                 secret=new_secret,
                 scopes=tokens.scopes,
-                expires_at=tokens.expires_at,
-            )
-            await self._record(session, "credential.refreshed", row)
-            credential = credentials.as_credential(row, new_secret)
-        return credential  # returned only after the commit above
+                expires_at=expires_at,
+            ):
+                return row
+            current = await credentials.find_by_id(session, row.id, for_update=True)
+            opened = credentials.open_row(current, keys=self._sealing) if current else None
+            if current is None or opened is None:
+                return None
+            if opened.get("refresh_token") != spent["refresh_token"]:
+                return None  # refreshed or granted anew meanwhile: that grant stays
+            row = current
+        return None
 
     @staticmethod
     async def _record(session: AsyncSession, event: str, row: Connection) -> None:

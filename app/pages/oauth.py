@@ -201,17 +201,17 @@ async def _exchange_and_store(
     except oauth.UpstreamError as exc:
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
-        await grants.discard(provider, tokens, flow_id=flow.id, why=exc.reason)
+        await grants.discard(provider, tokens, why=exc.reason, about=f"flow_id={flow.id}")
         return
     try:
         account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
         stored = await grants.complete(session, flow=flow, tokens=tokens, account=account)
         await session.commit()  # stored before the browser is told, or discarded below
     except Exception:
-        await grants.discard(provider, tokens, flow_id=flow.id, why="not_stored")
+        await grants.discard(provider, tokens, why="not_stored", about=f"flow_id={flow.id}")
         raise
     if not stored:  # the flow's lease ran out and it moved on: nothing was stored
-        await grants.discard(provider, tokens, flow_id=flow.id, why="flow_moved_on")
+        await grants.discard(provider, tokens, why="flow_moved_on", about=f"flow_id={flow.id}")
 
 
 async def _release(session: AsyncSession, flow: FlowView) -> None:

@@ -9,6 +9,7 @@ how many there are, so a user with one account costs no second read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -141,13 +142,32 @@ def find(
     principal: Principal, provider: str, audience: str, *, for_update: bool
 ) -> Select[Connection]:
     """The default account's connection (`for_update`: locked, PostgreSQL)."""
-    statement = accounts(principal, provider, audience).limit(1)
-    return statement.with_for_update() if for_update else statement
+    return _locked(accounts(principal, provider, audience).limit(1), for_update)
 
 
 def by_id(connection_id: int, *, for_update: bool) -> Select[Connection]:
-    statement = select(Connection).where(Connection.id == connection_id)
-    return statement.with_for_update() if for_update else statement
+    return _locked(select(Connection).where(Connection.id == connection_id), for_update)
+
+
+def _locked(statement: Select[Connection], for_update: bool) -> Select[Connection]:
+    """`statement` locking its rows (PostgreSQL) and reading them afresh: a row the session
+    read before the lock was granted may have changed meanwhile (a refresh committed), and the
+    session would otherwise keep the values it read then."""
+    if not for_update:
+        return statement
+    return statement.with_for_update().execution_options(populate_existing=True)
+
+
+def replace_if_unchanged(connection_id: int, sealed: str, values: Mapping[str, Any]) -> Update:
+    """Set `values` on the connection if its sealed credential is still `sealed`: nobody
+    refreshed, re-sealed, replaced or removed it since it was read (a compare-and-set; SQLite
+    takes no row lock)."""
+    return (
+        update(Connection)
+        .where(Connection.id == connection_id, Connection.sealed_credential == sealed)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def accounts(principal: Principal, provider: str, audience: str) -> Select[Connection]:

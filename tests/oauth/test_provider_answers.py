@@ -395,7 +395,7 @@ async def test_a_failure_after_the_claim_puts_the_flow_back_to_pending(clients: 
     await assert_pending(clients.db, flow_id, user, reason="internal_error")
     assert TRY_AGAIN in page.text and CONTINUE_BUTTON in page.text
     assert [form["token"] for form in clients.provider.revoked] == [issued]  # discarded
-    assert await log.shows(f"token_exchange.discarded flow_id={flow_id} why=not_stored revoked=yes")
+    assert await log.shows(f"token.discarded flow_id={flow_id} why=not_stored revoked=yes")
 
 
 async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Clients) -> None:
@@ -423,6 +423,4 @@ async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Cl
     assert callback.status_code == 303, callback.text
     assert await count_rows(clients.db, "connections", subject=user) == 0
     assert [form["token"] for form in clients.provider.revoked] == [issued]
-    assert await log.shows(
-        f"token_exchange.discarded flow_id={flow_id} why=flow_moved_on revoked=yes"
-    )
+    assert await log.shows(f"token.discarded flow_id={flow_id} why=flow_moved_on revoked=yes")
