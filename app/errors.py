@@ -161,13 +161,30 @@ class EndpointMethodNotAllowed(BrokerError):
     message = "This endpoint does not take that method (see Allow and /api/v1/openapi.json)."
 
 
+class UnreadableRequest(BrokerError):
+    """What Starlette refused before a page's own code ran (a form it cannot parse, too many
+    fields), on a browser path; answered with the status Starlette chose."""
+
+    code = "unreadable_request"
+    title = "This request could not be read"
+    message = "The browser sent something this page cannot read; nothing was changed."
+    next_step = "Go back, reload the page and try again."
+
+
 async def on_http_exception(request: Request, exc: Exception) -> Response:
-    """Routing misses (404/405): our page on browser paths and problem JSON under /api/, as the
-    rest of those paths answer, instead of Starlette's `{"detail": …}`; a 405 keeps `Allow`."""
+    """Starlette's own errors: on browser paths our page (its security headers, a next step)
+    whatever the status; under /api/ problem JSON for routing misses (404/405), as the rest of
+    those paths answer, instead of Starlette's `{"detail": …}`. The exception's headers are kept
+    (a 405's `Allow`, RFC 9110), never over the page's own."""
     assert isinstance(exc, StarletteHTTPException)
     error: BrokerError | None = None
-    if exc.status_code in (404, 405) and wants_html(request):
-        error = NotFound() if exc.status_code == 404 else MethodNotAllowed()
+    if wants_html(request):
+        if exc.status_code == 404:
+            error = NotFound()
+        elif exc.status_code == 405:
+            error = MethodNotAllowed()
+        else:
+            error = UnreadableRequest()
     elif exc.status_code in (404, 405) and request.url.path.startswith(API_PREFIX):
         error = NoSuchEndpoint() if exc.status_code == 404 else EndpointMethodNotAllowed()
     if error is None:
@@ -177,9 +194,9 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
             headers=getattr(exc, "headers", None),
         )
     response = render_error(request, error)
-    allow = (exc.headers or {}).get("Allow")
-    if allow:  # RFC 9110: a 405 names the methods the resource takes
-        response.headers["Allow"] = allow
+    response.status_code = exc.status_code
+    for name, value in (exc.headers or {}).items():
+        response.headers.setdefault(name, value)
     return response
 
 

@@ -127,6 +127,8 @@ class BodyLimit:
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:
+    """A short text answer sent before any route: never sniffed as markup, cached or framed,
+    whoever asked (it may be a browser page's request to a wrong Host)."""
     await send(
         {
             "type": "http.response.start",
@@ -134,6 +136,9 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
             "headers": [
                 (b"content-type", b"text/plain; charset=utf-8"),
                 (b"content-length", str(len(body)).encode()),
+                (b"x-content-type-options", b"nosniff"),
+                (b"cache-control", b"no-store"),
+                (b"x-frame-options", b"DENY"),
             ],
         }
     )

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from .connect.test_pages import assert_security_headers
 from .support.broker import BrokerProcess
 from .support.clients import Browser, McpHttp, flow_id_from
 from .support.http import local_client
@@ -88,3 +89,54 @@ async def test_serve_never_exposes_the_development_idp(broker: BrokerProcess) ->
             "/dev-idp/jwks",
         ):
             assert (await http.get(f"{broker.url}{path}")).status_code == 404
+
+
+async def test_a_development_sign_in_form_that_cannot_be_read_gets_the_error_page(
+    playground: tuple[str, Path],
+) -> None:
+    """Starlette refuses a form with too many fields before the route runs: the answer is the
+    error page with its security headers and a next step, not `{"detail": …}` JSON."""
+    url, _ = playground
+    fields = {f"f{index}": "x" for index in range(17)}
+    async with local_client() as http:
+        response = await http.post(f"{url}/dev-idp/authorize", data=fields)
+
+    assert response.status_code == 400
+    assert_security_headers("POST /dev-idp/authorize", response)
+    assert "This request could not be read" in response.text
+    assert "reload the page and try again" in response.text
+
+
+@pytest.mark.parametrize("credentials", ["/w==", "not base64!"], ids=["not-utf-8", "not-base64"])
+async def test_development_token_endpoint_answers_unreadable_basic_credentials_as_invalid_client(
+    credentials: str, playground: tuple[str, Path]
+) -> None:
+    """RFC 6749 §5.2: client authentication failed, so 401 `invalid_client` naming the scheme
+    (bytes that are not UTF-8 text used to end in a 500)."""
+    url, _ = playground
+    async with local_client() as http:
+        response = await http.post(
+            f"{url}/dev-idp/token",
+            data={"grant_type": "authorization_code", "code": "x"},
+            headers={"Authorization": f"Basic {credentials}"},
+        )
+
+    assert response.status_code == 401
+    assert response.json() == {"error": "invalid_client"}
+    assert response.headers["www-authenticate"].startswith("Basic ")
+
+
+async def test_development_token_endpoint_answers_an_unreadable_body_in_json(
+    playground: tuple[str, Path],
+) -> None:
+    """The token endpoint's clients read OAuth JSON errors, not the browser pages' error page."""
+    url, _ = playground
+    async with local_client() as http:
+        response = await http.post(
+            f"{url}/dev-idp/token",
+            content=b"x",
+            headers={"Content-Type": "multipart/form-data"},  # no boundary
+        )
+
+    assert response.status_code == 400
+    assert response.json() == {"error": "invalid_request"}

@@ -47,3 +47,15 @@ async def test_a_hostile_host_is_logged_escaped_and_cut(broker: BrokerProcess) -
     assert answer.startswith(b"HTTP/1.1 421 ")
     assert "host='evil\\xe9\\'\"" + "x" * 93 + "'... accepted=" in log
     assert "x" * 94 not in log
+
+
+async def test_the_refusal_is_never_sniffed_cached_or_framed(broker: BrokerProcess) -> None:
+    """The 421 is sent before any route, so without the page headers: it names its own."""
+    async with local_client() as http:
+        response = await http.get(f"{broker.url}/connections", headers={"Host": "other.example"})
+
+    assert response.status_code == 421
+    assert response.headers["content-type"] == "text/plain; charset=utf-8"
+    assert response.headers.get("x-content-type-options") == "nosniff"
+    assert response.headers.get("cache-control") == "no-store"
+    assert response.headers.get("x-frame-options") == "DENY"

@@ -22,14 +22,14 @@ from joserfc.jwt import JWTClaimsRegistry
 
 from app.auth.jwks import JwksCache, JwksUnavailable
 from app.auth.principal import McpCaller, Principal
-from app.storable import unstorable_reason
+from app.storable import MAX_SUBJECT_LENGTH, unstorable_reason, unstorable_subject_reason
 
 logger = logging.getLogger("broker.auth")
 
 MAX_TOKEN_LENGTH = 16 * 1024
 CACHE_SIZE = 10_000
 LEEWAY_SECONDS = 60
-MAX_CLAIM_LENGTH = 255  # the subject and client id columns (String(255))
+MAX_CLAIM_LENGTH = MAX_SUBJECT_LENGTH  # the client id column is as wide as the subject's
 
 
 class InvalidToken(Exception):
@@ -203,10 +203,10 @@ def _is_at_jwt(typ: object) -> bool:
 
 
 def _storable(subject: str) -> bool:
-    """Whether the identity claim can be the subject of a stored principal: 1-255 characters
-    (the columns' width) of text the database takes (app/storable.py). Refused here, such a
-    claim is an invalid token; let through, it would fail the first statement that stores it."""
-    return 0 < len(subject) <= MAX_CLAIM_LENGTH and unstorable_reason(subject) is None
+    """Whether the identity claim can be the subject of a stored principal (app/storable.py).
+    Refused here, such a claim is an invalid token; let through, it would fail the first
+    statement that stores it."""
+    return unstorable_subject_reason(subject) is None
 
 
 def _scopes(claims: dict[str, object]) -> frozenset[str]:

@@ -135,7 +135,7 @@ def same_origin_post(request: Request, public_origin: str) -> bool:
 
     Browsers that send Fetch Metadata say `same-origin` for our own forms, even when the page's
     referrer policy makes them send `Origin: null`; without it, Origin must be absent or ours,
-    and without Origin a Referer, when sent, must be ours (our pages send it to us only).
+    and without Origin a Referer, when sent, must be ours (our pages send only their origin).
     """
     site = request.headers.get("sec-fetch-site")
     if site is not None:

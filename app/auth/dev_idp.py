@@ -8,6 +8,8 @@ token-verification code it uses against a real IdP. Codes live in memory (one pr
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import os
@@ -21,6 +23,8 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Request
 from joserfc import jwt
 from joserfc.jwk import RSAKey
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from app.crypto import b64encode, constant_time_equal
@@ -132,8 +136,18 @@ class DevIdentityProvider:
         return RedirectResponse(f"{params['redirect_uri']}?{query}", status_code=303)
 
     async def _token(self, request: Request) -> Response:
-        form = await request.form(max_files=0, max_fields=16)
+        try:
+            form = await request.form(max_files=0, max_fields=16)
+        except HTTPException:  # a body Starlette cannot parse: an OAuth error, not a page
+            return JSONResponse({"error": "invalid_request"}, status_code=400)
         grant = self._codes.pop(str(form.get("code", "")), None)
+        if not self._client_authenticated(request, form):
+            # RFC 6749 §5.2: 401, with the scheme a client may authenticate with
+            return JSONResponse(
+                {"error": "invalid_client"},
+                status_code=401,
+                headers={"WWW-Authenticate": 'Basic realm="dev-idp"'},
+            )
         verifier = str(form.get("code_verifier", ""))
         challenge = b64encode(hashlib.sha256(verifier.encode()).digest())
         if (
@@ -141,7 +155,6 @@ class DevIdentityProvider:
             or grant.expires < time.time()
             or not constant_time_equal(challenge, grant.challenge)
             or form.get("redirect_uri") != grant.redirect_uri
-            or not self._client_authenticated(request, form)
         ):
             return JSONResponse({"error": "invalid_grant"}, status_code=400)
         return JSONResponse(
@@ -153,12 +166,16 @@ class DevIdentityProvider:
             }
         )
 
-    def _client_authenticated(self, request: Request, form: Any) -> bool:
-        import base64
-
+    def _client_authenticated(self, request: Request, form: FormData) -> bool:
+        """The broker's login client, by HTTP Basic or in the form; credentials that are not
+        base64 of UTF-8 text authenticate nobody."""
         header = request.headers.get("authorization", "")
         if header.startswith("Basic "):
-            client_id, _, secret = base64.b64decode(header[6:]).decode().partition(":")
+            try:
+                decoded = base64.b64decode(header[6:], validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+            client_id, _, secret = decoded.partition(":")
         else:
             client_id, secret = str(form.get("client_id", "")), str(form.get("client_secret", ""))
         return client_id == self.client_id and constant_time_equal(secret, self.client_secret)

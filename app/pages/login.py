@@ -40,7 +40,8 @@ from app.deps import (
 )
 from app.display import display_text
 from app.errors import BadLogin, CsrfFailed, ServiceUnavailable
-from app.templating import render
+from app.storable import unstorable_subject_reason
+from app.templating import html_security_headers, render
 
 logger = logging.getLogger("broker.security")
 router = APIRouter(include_in_schema=False)
@@ -49,6 +50,17 @@ LOGIN_TTL_SECONDS = 600
 TOKEN_DEADLINE_SECONDS = 10
 SAFE_NEXT = re.compile(r"/(connect/[A-Za-z0-9_-]{43}|connections)")
 MAX_PARAM_LENGTH = 2048
+
+
+class UnusableIdentity(BadLogin):
+    """The IdP vouched for an identity the broker cannot keep (too long, or text the database
+    refuses): nothing the visitor can retry, so the next step is their administrator."""
+
+    message = (
+        "Your identity provider named your account in a way the broker cannot store (too long, "
+        "or holding characters it cannot keep), so you are not signed in."
+    )
+    next_step = "Signing in again gives the same result: tell your administrator this reference."
 
 
 def safe_next(value: str | None) -> str:
@@ -81,7 +93,7 @@ async def login(
         "v": verifier,
         "next": safe_next(request.query_params.get("next")),
     }
-    response = RedirectResponse(url, status_code=303)
+    response = _see_other(url)
     set_cookie(
         response,
         LOGIN_COOKIE,
@@ -121,7 +133,7 @@ async def login_callback(
     claims = await _exchange(settings, issuer, code=code, verifier=str(record["v"]))
     _check_id_token(settings, claims, nonce=str(record["n"]))
     identity_claim = settings.identity.identity_claim
-    response = RedirectResponse(str(record["next"]), status_code=303)
+    response = _see_other(str(record["next"]))
     response.delete_cookie(LOGIN_COOKIE, path="/", secure=True, httponly=True, samesite="lax")
     await sessions.start(
         session,
@@ -151,6 +163,12 @@ async def logout(
     response = render(request, "login/signed_out.html")
     await sessions.end(session, request, response)
     return response
+
+
+def _see_other(target: str) -> Response:
+    """303 with the page headers: neither the IdP URL this sends the browser to (state, nonce)
+    nor the callback URL it answers (code, state) is cached or sent on as a Referer."""
+    return RedirectResponse(target, status_code=303, headers=html_security_headers())
 
 
 def _login_record(request: Request, keys: Keys) -> dict[str, Any] | None:
@@ -252,6 +270,14 @@ def _check_id_token(settings: Settings, claims: dict[str, Any], *, nonce: str) -
     if not isinstance(subject, str) or not subject:
         logger.warning("login.identity_claim_missing claim=%s", identity.identity_claim)
         raise BadLogin()
+    reason = unstorable_subject_reason(subject)
+    if reason:  # as for an access token (app/auth/bearer.py): never stored, never a principal
+        logger.warning(
+            "login.identity_claim_unstorable claim=%s: it holds %s",
+            identity.identity_claim,
+            reason,
+        )
+        raise UnusableIdentity()
 
 
 def _display_name(claims: dict[str, Any]) -> str | None:
