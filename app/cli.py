@@ -64,6 +64,17 @@ def _require_free_port(host: str, port: int) -> None:
         ) from None
 
 
+def _port(text: str) -> int:
+    """A TCP port number, for `--port` (argparse says what is wrong with anything else)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r:.40}: not a number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: ports are 1 to 65535")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="connect-broker", description=__doc__)
     parser.add_argument("--config", help="TOML file (default: $BROKER_CONFIG or ./broker.toml)")
@@ -71,12 +82,12 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the broker")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--workers", type=int, default=1)
     serve.set_defaults(handler=_serve)
 
     dev = commands.add_parser("dev", help="loopback playground with a development IdP")
-    dev.add_argument("--port", type=int, default=8000)
+    dev.add_argument("--port", type=_port, default=8000)
     dev.add_argument(
         "--config",
         default=argparse.SUPPRESS,

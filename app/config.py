@@ -3,22 +3,28 @@
 The file comes from `--config PATH`, else `BROKER_CONFIG`, else `./broker.toml` (optional).
 `BROKER_<SECTION>_<KEY>` overrides `[section] key`; for providers the variable is
 `BROKER_PROVIDERS_<NAME>_<KEY>`. A key ending in `_file` names a file whose content is the value
-of the key without the suffix (for secrets mounted as files). Errors name the offending key.
+of the key without the suffix (for secrets mounted as files); the environment's `X` or `X_FILE`
+wins over the file's `x` and `x_file` alike. A list or table key given as one string (from the
+environment or a `_file`) is JSON when it starts with `[` or `{`, else a comma-separated list
+(`_from_text`). Errors name the offending key.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import json
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,6 +33,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic.fields import FieldInfo
 
 from app.config_sources import NAMED_TABLES, SECTIONS, read_raw
 from app.config_sources import ConfigError as ConfigError  # re-exported: callers import it here
@@ -43,6 +50,32 @@ from app.urls import validate_public_url
 from app.webhooks.settings import RETENTION_FLOOR_DAYS, WebhookSettings
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}=?$")
+
+# The JWS algorithms a configured list may name: the asymmetric signatures joserfc verifies.
+# With `none` (no signature at all) or HS256/384/512 (a shared secret, here the keys the IdP
+# publishes, which anyone can read) anyone could make a token the broker accepts.
+SIGNATURE_ALGORITHMS = (
+    *("RS256", "RS384", "RS512"),
+    *("PS256", "PS384", "PS512"),
+    *("ES256", "ES384", "ES512"),
+    "EdDSA",
+)
+
+
+def _signature_algorithms(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        raise ValueError("name at least one algorithm (e.g. RS256)")
+    for name in value:
+        if name not in SIGNATURE_ALGORITHMS:
+            raise ValueError(
+                f"{name!r:.40} is not an asymmetric signature algorithm; use some of "
+                + ", ".join(SIGNATURE_ALGORITHMS)
+            )
+    return value
+
+
+# Every configured list of JWS algorithms (`identity.algorithms`) takes this type.
+SignatureAlgorithms = Annotated[tuple[str, ...], AfterValidator(_signature_algorithms)]
 
 
 class _Section(BaseModel):
@@ -146,7 +179,7 @@ class IdentitySettings(_Section):
     # What auth discovery (401 challenge, resource metadata) tells clients to request when no
     # scope is required: a client that is told nothing guesses, or asks for none.
     default_scopes: tuple[str, ...] = ("openid",)
-    algorithms: tuple[str, ...] = ("RS256", "PS256", "ES256", "EdDSA")
+    algorithms: SignatureAlgorithms = ("RS256", "PS256", "ES256", "EdDSA")
     require_at_jwt: bool = False
     jwks_refresh_cooldown_seconds: float = Field(default=30, ge=1, le=3600)
 
@@ -308,16 +341,6 @@ def load_settings(
     return _validate(raw, source=str(path) if path else "defaults")
 
 
-LIST_KEYS = {
-    ("server", "allowed_origins"),
-    ("identity", "required_scopes"),
-    ("identity", "default_scopes"),
-    ("identity", "algorithms"),
-    ("keys", "signing"),
-    ("keys", "encryption"),
-}
-
-
 Problem = tuple[str, str]  # (dotted key, what is wrong with it)
 MODELS: dict[str, type[_Section]] = {
     "server": ServerSettings,
@@ -346,25 +369,22 @@ def validate_all(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
         problems.append((section, "unknown section" + _suggest(section, [*MODELS, *NAMED_TABLES])))
     parsed: dict[str, Any] = {}
     for name, model in MODELS.items():
-        values = dict(raw.get(name, {}))
-        for key, value in values.items():
-            if (name, key) in LIST_KEYS and isinstance(value, str):
-                values[key] = _comma_list(value)
+        values = _from_text(raw.get(name, {}), model.model_fields, name, problems)
         _parse(model, values, name, parsed, problems)
     providers: dict[str, ProviderSettings] = {}
     for name, values in raw.get("providers", {}).items():
         if not re.fullmatch(NAME_PATTERN, name):
             problems.append((f"providers.{name}", "names are lowercase letters, digits, - and _"))
             continue
-        if isinstance(values.get("scopes"), str):  # from the environment: a comma list
-            values = {**values, "scopes": _comma_list(values["scopes"])}
+        values = _from_text(values, PROVIDER_FIELDS, f"providers.{name}", problems)
         try:
             providers[name] = provider_settings_adapter.validate_python(apply_preset(values))
         except ValidationError as exc:
             problems.extend(_describe(exc, f"providers.{name}", PROVIDER_KEYS))
     services: dict[str, Any] = {}
     for name, values in raw.get("services", {}).items():
-        _parse(ServiceSettings, dict(values), f"services.{name}", services, problems)
+        values = _from_text(values, ServiceSettings.model_fields, f"services.{name}", problems)
+        _parse(ServiceSettings, values, f"services.{name}", services, problems)
     parsed["providers"] = providers
     parsed["services"] = {name.removeprefix("services."): s for name, s in services.items()}
     parsed["webhooks"] = _webhooks(raw.get("webhooks", {}), problems)
@@ -382,15 +402,54 @@ def _webhooks(raw: dict[str, Any], problems: list[Problem]) -> dict[str, Webhook
         if not isinstance(values, dict):
             problems.append((f"webhooks.{name}", "must be a table ([webhooks.<name>])"))
             continue
-        values = dict(values)
-        if isinstance(values.get("events"), str):  # from the environment: a comma list
-            values["events"] = _comma_list(values["events"])
+        values = _from_text(values, WebhookSettings.model_fields, f"webhooks.{name}", problems)
         _parse(WebhookSettings, values, f"webhooks.{name}", webhooks, problems)
     return {name.removeprefix("webhooks."): hook for name, hook in webhooks.items()}
 
 
+def _from_text(
+    values: Mapping[str, Any], fields: Mapping[str, FieldInfo], prefix: str, problems: list[Problem]
+) -> dict[str, Any]:
+    """`values`, with each list or table key given as one string (an environment variable, the
+    content of a `_file`) made a list or table: a JSON array or object when it starts with `[`
+    or `{`, else, for a list, its comma-separated items. A string that cannot be one is a
+    problem, and left out."""
+    converted = dict(values)
+    for key, value in values.items():
+        shape = _shape(fields[key].annotation) if key in fields else None
+        if shape is None or not isinstance(value, str):
+            continue
+        text = value.strip()
+        if text.startswith(("[", "{")):
+            try:
+                converted[key] = json.loads(text)
+            except json.JSONDecodeError as exc:
+                why = f"starts with {text[0]} but is not JSON: {exc.msg}"
+                problems.append((f"{prefix}.{key}", why))
+                del converted[key]
+        elif shape == "list":
+            converted[key] = _comma_list(text)
+        else:
+            problems.append((f"{prefix}.{key}", "must be a table: as one string, a JSON object"))
+            del converted[key]
+    return converted
+
+
+def _shape(annotation: Any) -> Literal["list", "table"] | None:
+    """What a key of this type is: a list (list, tuple), a table (dict), or neither (None); an
+    optional one (`X | None`) as X."""
+    origin = get_origin(annotation)
+    if origin in (Union, UnionType):
+        return next(filter(None, map(_shape, get_args(annotation))), None)
+    if origin in (list, tuple, set, frozenset):
+        return "list"
+    if origin is dict:
+        return "table"
+    return None
+
+
 def _comma_list(text: str) -> list[str]:
-    """A list given as one string (an environment variable): its comma-separated items."""
+    """A list given as one string: its comma-separated items."""
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
@@ -429,7 +488,8 @@ def _token_audience_problems(parsed: dict[str, Any]) -> list[Problem]:
 
 
 NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
-PROVIDER_KEYS = sorted({*ApiKeyProviderSettings.model_fields, *OAuthProviderSettings.model_fields})
+PROVIDER_FIELDS = {**ApiKeyProviderSettings.model_fields, **OAuthProviderSettings.model_fields}
+PROVIDER_KEYS = sorted(PROVIDER_FIELDS)
 
 
 def _parse(

@@ -3,7 +3,6 @@ overrides, programmatic overrides, and `<key>_file` indirections (secrets mounte
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -95,7 +94,14 @@ def _check_tables(raw: dict[str, Any]) -> None:
 
 
 def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """Set each key a `BROKER_*` variable names. Its value wins over the file's, including over
+    the file's `<key>_file` (dropped), as a `BROKER_..._<KEY>_FILE` wins over the file's `<key>`.
+
+    Raises:
+        ConfigError: a variable names a table the file lacks, or both `X` and `X_FILE` are set.
+    """
     named = {table: {name.upper(): name for name in raw.get(table, {})} for table in NAMED_TABLES}
+    assigned: dict[str, tuple[str, str]] = {}  # dotted key: (variable, value)
     for variable, value in environ.items():
         if not variable.startswith("BROKER_") or variable == "BROKER_CONFIG":
             continue
@@ -103,34 +109,33 @@ def _apply_environment(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
         section, _, key = rest.partition("_")
         section = section.lower()
         if section in named:
-            _set_named(raw, variable, section, named[section], key, value)
+            assigned[_named_key(variable, section, named[section], key)] = (variable, value)
         elif section in SECTIONS and key:
-            _set_dotted(raw, f"{section}.{key.lower()}", _env_value(value))
+            assigned[f"{section}.{key.lower()}"] = (variable, value)
         # other BROKER_* variables belong to no section and are not ours to judge
+    for dotted, (variable, value) in sorted(assigned.items()):
+        if dotted.endswith("_file") and dotted.removesuffix("_file") in assigned:
+            other = assigned[dotted.removesuffix("_file")][0]
+            raise ConfigError(f"{other} and {variable} are both set; keep one")
+        _set_dotted(raw, dotted, value)
+        if not dotted.endswith("_file") and not dotted.startswith("webhooks."):
+            _drop_dotted(raw, f"{dotted}_file")  # a webhook's `secret_file` is its own key
 
 
-def _set_named(
-    raw: dict[str, Any], variable: str, section: str, names: dict[str, str], key: str, value: str
-) -> None:
-    """`BROKER_PROVIDERS_<NAME>_<KEY>`: the longest table name that prefixes the rest wins."""
+def _named_key(variable: str, section: str, names: dict[str, str], key: str) -> str:
+    """The dotted key `BROKER_PROVIDERS_<NAME>_<KEY>` sets: the longest table name that
+    prefixes the rest wins.
+
+    Raises:
+        ConfigError: no such table in the file.
+    """
     match = next(
         (upper for upper in sorted(names, key=len, reverse=True) if key.startswith(upper + "_")),
         None,
     )
     if match is None:
         raise ConfigError(f"{variable}: no [{section}.<name>] table in the config file")
-    _set_dotted(raw, f"{section}.{names[match]}.{key[len(match) + 1 :].lower()}", _env_value(value))
-
-
-def _env_value(value: str) -> Any:
-    """Environment values are strings; a JSON list or a comma list becomes a list."""
-    stripped = value.strip()
-    if stripped.startswith("["):
-        try:
-            return json.loads(stripped)
-        except json.JSONDecodeError:
-            return value
-    return value
+    return f"{section}.{names[match]}.{key[len(match) + 1 :].lower()}"
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -142,6 +147,15 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"{dotted}: {part} is not a table")
         node = child
     node[leaf] = value
+
+
+def _drop_dotted(raw: dict[str, Any], dotted: str) -> None:
+    """Remove the dotted key, if there (its tables exist: a key was just set beside it)."""
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node[part]
+    node.pop(leaf, None)
 
 
 def _resolve_files(raw: dict[str, Any], prefix: str = "") -> None:

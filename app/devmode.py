@@ -4,7 +4,8 @@ Everything here is for the loopback playground only; `serve` never uses it. The 
 (default ./data) holds the generated keys, the development IdP's key and the SQLite database;
 `dev --config FILE` adds the file's providers and services, and `dev` records them there (as read
 at start, `_file` secrets resolved) so that `dev-token` and `service …` given `--data-dir` see the
-running playground's configuration from any directory.
+running playground's configuration from any directory. `[logging]` applies to `dev` as to
+`serve`: from the file, and from `BROKER_LOGGING_*` with or without one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ DEMO_PROVIDER = {
 }
 # Only these tables of a `--config` file join the playground; its own identity provider, keys and
 # database stay the playground's.
-ADOPTED_TABLES = ("providers", "services")
+ADOPTED_TABLES = ("providers", "services", "logging")
+# What the environment sets without a `--config` file (a provider's or service's variable needs
+# its table in a file)
+UNFILED_TABLES = ("logging",)
 
 
 def new_state(data_dir: Path, port: int, config: str | None) -> dict[str, Any]:
@@ -79,16 +83,16 @@ def saved_state(data_dir: Path) -> dict[str, Any]:
 
 
 def adopted_tables(config: str | None) -> dict[str, Any]:
-    """The `[providers.*]` and `[services.*]` tables of the user's configuration file, with their
-    `BROKER_PROVIDERS_*`/`BROKER_SERVICES_*` overrides and `_file` secrets resolved."""
-    if not config:
-        return {table: {} for table in ADOPTED_TABLES}
+    """The `[providers.*]`, `[services.*]` and `[logging]` tables of the user's configuration
+    file, with their `BROKER_PROVIDERS_*`/`BROKER_SERVICES_*`/`BROKER_LOGGING_*` overrides and
+    `_file` secrets resolved; without a file, `[logging]` from the environment alone."""
+    tables = ADOPTED_TABLES if config else UNFILED_TABLES
     environ = {
         name: value
         for name, value in os.environ.items()
-        if name.startswith(tuple(f"BROKER_{table.upper()}_" for table in ADOPTED_TABLES))
+        if name.startswith(tuple(f"BROKER_{table.upper()}_" for table in tables))
     }
-    raw = read_raw(Path(config), environ, {})
+    raw = read_raw(Path(config) if config else None, environ, {})
     return {table: dict(raw.get(table, {})) for table in ADOPTED_TABLES}
 
 
@@ -110,6 +114,7 @@ def dev_settings(data_dir: Path, state: dict[str, Any]) -> Settings:
             "keys.encryption": [state["encryption"]],
             "providers": {"demo": DEMO_PROVIDER, **adopted["providers"]},
             "services": adopted["services"],
+            "logging": adopted["logging"],
         },
     )
 

@@ -4,8 +4,11 @@ Every request writes an access line, so a log line must cost little next to the 
 Two costs dominated it, and both are gone:
 
 - A write(2) per line. Lines go to a buffered stream on stderr's descriptor, flushed once per
-  event-loop turn (every line of that turn in one write), at once outside a running loop, and at
-  once for WARNING and above. `logging.shutdown` flushes what is left at exit.
+  event-loop turn (every line of that turn in one write), at once outside a running loop, at once
+  for WARNING and above, and at once for the server's own lines (`AT_ONCE_LOGGERS`).
+  `logging.shutdown` flushes what is left at a normal exit; a SIGTERM or SIGINT is not one:
+  uvicorn raises the signal again once it has shut down, and the process ends within the loop
+  turn that logged "Application shutdown complete." and "Finished server process".
 - Thread and process names, which the format never shows (`logging.logThreads` and the like).
   The caller lookup (a stack walk) stays: logging offers no public switch for it, and no hot
   path writes a record (the access line skips it, below).
@@ -33,6 +36,9 @@ from typing import TextIO, cast
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 BUFFER_BYTES = 64 * 1024
+# uvicorn's start and stop lines: a few per process, the last ones written just before it
+# re-raises the signal that stopped it, too late for a flush at the end of the loop turn
+AT_ONCE_LOGGERS = frozenset({"uvicorn.error"})
 
 
 class TurnFlushedHandler(logging.StreamHandler[TextIO]):
@@ -50,7 +56,7 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
         except Exception:
             self.handleError(record)
             return
-        self._flush_for(record.levelno)
+        self._flush_for(record.levelno, record.name)
 
     def write_plain(self, level: int, name: str, message: str) -> None:
         """Write what `emit` writes for a plain record (no arguments, exception or stack) of
@@ -68,11 +74,12 @@ class TurnFlushedHandler(logging.StreamHandler[TextIO]):
             return
         finally:
             self.release()
-        self._flush_for(level)
+        self._flush_for(level, name)
 
-    def _flush_for(self, level: int) -> None:
-        """WARNING and above at once, the rest at the end of the loop turn."""
-        if level >= logging.WARNING:
+    def _flush_for(self, level: int, name: str) -> None:
+        """WARNING and above, and the server's own lines, at once; the rest at the end of the
+        loop turn."""
+        if level >= logging.WARNING or name in AT_ONCE_LOGGERS:
             self.flush()
         else:
             self._flush_soon()

@@ -10,6 +10,7 @@ they start (docs/adr/0008-schema-check-without-alembic.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import re
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "postgres": "asyncpg"}
 MIGRATION_FILE = re.compile(r"(\d{4})_\w+\.py")
 VERSION_TABLE = "alembic_version"
-SCHEMA_VERSION: Select[tuple[str]] = select(column("version_num")).select_from(table(VERSION_TABLE))
+SCHEMA_VERSION: Select[str] = select(column("version_num")).select_from(table(VERSION_TABLE))
 
 
 class DatabaseUnreachable(CommandFailed):
@@ -55,22 +56,58 @@ def alembic_config(url: str) -> Config:
 def upgrade(url: str) -> str:
     """Bring the database at `url` to the newest schema (idempotent); say what was done.
 
+    One transaction under a lock (migrations/env.py): runs at the same time take turns, and one
+    that fails leaves the database as it was. Where the database stood is read under that lock.
+
     Raises:
-        ConfigError: the URL is not one the broker can use.
+        ConfigError: the URL is not one the broker can use, or the database is at a revision
+            this version does not ship.
         DatabaseUnreachable: the database did not answer.
+        MigrationFailed: the database answered, and refused a migration's statement.
     """
     from alembic import command
 
-    before = current_revision(url)
-    head = head_revision()
-    _require_known(before)
+    problem = url_problem(url)
+    if problem:
+        raise ConfigError(f"database.url: {problem}")
+    config = alembic_config(url)
+    with _migration_errors(url, config):
+        command.upgrade(config, "head")
+    before, head = config.attributes["before"], head_revision()
     if before == head:
         return f"database schema already current at revision {head}"
-    with translated_errors(url):
-        command.upgrade(alembic_config(url), "head")
     if before is None:
         return f"created database schema at revision {head}"
     return f"upgraded database schema from revision {before} to {head}"
+
+
+class MigrationFailed(CommandFailed):
+    """The database answered, and refused a statement of a migration: the run was rolled back."""
+
+
+@contextlib.contextmanager
+def _migration_errors(url: str, config: Config) -> Iterator[None]:
+    """A database error before the database answered (`config.attributes["connected"]`, set by
+    migrations/env.py), or from a connection that went away, is DatabaseUnreachable; any other
+    is the migration's, MigrationFailed. Either in one line."""
+    try:
+        yield
+    except (OSError, DBAPIError) as error:
+        lost = isinstance(error, OSError) or error.connection_invalidated
+        if lost or not config.attributes.get("connected"):
+            raise _unreachable(url, error) from None
+        raise MigrationFailed(
+            f"database.url: migrating the schema failed: {_reason(error)}; nothing of it was "
+            f"kept{_where_it_stays(config)}. Fix what the database names, then run "
+            "`connect-broker migrate` again"
+        ) from None
+
+
+def _where_it_stays(config: Config) -> str:
+    if "before" not in config.attributes:  # failed before the revision was read
+        return ""
+    before = config.attributes["before"]
+    return f" (the schema stays at revision {before})" if before else " (there is no schema yet)"
 
 
 def require_current(url: str) -> None:
@@ -95,7 +132,7 @@ def schema_problem(url: str) -> str | None:
     current, head = current_revision(url), head_revision()
     if current == head:
         return None
-    _require_known(current)
+    require_known(current)
     if current is None:
         return "the database has no schema yet; run `connect-broker migrate`"
     return (
@@ -109,7 +146,7 @@ def is_current(url: str) -> bool:
     return current_revision(url) == head_revision()
 
 
-def _require_known(revision: str | None) -> None:
+def require_known(revision: str | None) -> None:
     """Refuse a database at a revision this version does not ship (a newer version's).
 
     Raises:
@@ -129,6 +166,7 @@ def shipped_revisions() -> list[str]:
     return sorted(found[1] for name in names if (found := MIGRATION_FILE.fullmatch(name)))
 
 
+@functools.cache  # read by every readiness probe
 def head_revision() -> str:
     """The newest revision shipped: the one `migrate` brings a database to."""
     return shipped_revisions()[-1]
@@ -186,11 +224,17 @@ def translated_errors(url: str) -> Iterator[None]:
         yield
     except IntegrityError:
         raise  # the database answered: a constraint refused the change
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-    except DBAPIError as error:
-        reason = str(error.orig).splitlines()[0] if error.orig else type(error).__name__
-    else:
-        return
+    except (OSError, DBAPIError) as error:
+        raise _unreachable(url, error) from None
+
+
+def _unreachable(url: str, error: OSError | DBAPIError) -> DatabaseUnreachable:
     where = make_url(url).render_as_string(hide_password=True)
-    raise DatabaseUnreachable(f"cannot use the database at {where}: {reason}")
+    return DatabaseUnreachable(f"cannot use the database at {where}: {_reason(error)}")
+
+
+def _reason(error: OSError | DBAPIError) -> str:
+    """What the operating system, the database or its driver said, first line only."""
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    return str(error.orig).splitlines()[0] if error.orig else type(error).__name__

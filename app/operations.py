@@ -24,7 +24,7 @@ from app.deps import SessionmakerDep, SettingsDep
 from app.errors import DATABASE_ERRORS
 from app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.metrics import BrokerMetrics, RevocationBacklog
-from app.migrate import SCHEMA_VERSION
+from app.migrate import SCHEMA_VERSION, head_revision, shipped_revisions
 from app.webhooks.delivery import Webhooks
 
 logger = logging.getLogger("broker")
@@ -49,13 +49,26 @@ async def _healthz() -> Response:
 
 
 async def _readyz(request: Request) -> Response:
+    """Ready when the database answers and its schema is the one this version was built for.
+
+    A schema another version migrated, older or newer, is not ready either: this process's
+    statements are those of its own schema (`serve` refuses to start on any other). During an
+    upgrade the load balancer thus sends requests to the replicas that match the schema.
+    """
     engine: AsyncEngine = request.app.state.engine
     try:
         async with asyncio.timeout(READINESS_SECONDS), engine.connect() as connection:
-            await connection.execute(SCHEMA_VERSION)
+            revision = await connection.scalar(SCHEMA_VERSION)
     except (*DATABASE_ERRORS, OSError, TimeoutError):
-        return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+        return _unavailable("unreachable")
+    if revision != head_revision():
+        known = revision is None or revision in shipped_revisions()
+        return _unavailable("schema_outdated" if known else "schema_newer")
     return JSONResponse({"status": "ready"})
+
+
+def _unavailable(database: str) -> Response:
+    return JSONResponse({"status": "unavailable", "database": database}, status_code=503)
 
 
 async def _metrics(

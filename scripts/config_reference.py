@@ -119,7 +119,10 @@ MEANINGS: dict[str, str] = {
     "`required_scopes` is empty",
     "identity.required_scopes": "scopes every access token must carry (else 403 "
     "`insufficient_scope`)",
-    "identity.algorithms": "JWS algorithms accepted on access tokens",
+    "identity.algorithms": "JWS algorithms accepted on access tokens (and the login's ID "
+    "tokens, and the services' user proofs): at least one, each an asymmetric signature, "
+    "`RS256`, `RS384`, `RS512`, `PS256`, `PS384`, `PS512`, `ES256`, `ES384`, `ES512` or "
+    "`EdDSA`. `none` and the HMAC ones (`HS256`, …) are refused: anyone could make such a token",
     "identity.require_at_jwt": "accept only tokens whose header says `typ: at+jwt` (RFC 9068 "
     "access tokens): turn it on when the IdP issues them, so that no other JWT it "
     "signs (an ID token, a logout token) passes for an access token even with a matching "
@@ -141,15 +144,16 @@ MEANINGS: dict[str, str] = {
     "limit",
     "limits.failed_auth_burst": "wrong credentials one address may present at once",
     "logging.format": "`plain`: one text line per record; `json`: one JSON object per line, "
-    "access lines included (fields in [operations](operations.md#logs)); `serve` and `dev`",
+    "access lines included (fields in [operations](operations.md#logs)); `serve` and `dev` "
+    "(from `dev --config FILE`, or the environment)",
     "audit.erase_hold_days": "an erasure (`users erase`, `DELETE /api/v1/admin/users`) keeps "
     "the user's audit events of the last this many days, for investigations; the retention "
     "sweep deletes them later. `0`: every event of the user goes",
     "admin.token": "bearer token (32+ characters) of the operators' HTTP API under "
     "`/api/v1/admin` (`token_file` for a mounted file); unset, that API answers 404",
-    "connections.max_idle_days": "connections not used for this many whole days are revoked "
-    "(revocation queued) and deleted by the housekeeping, with a `connection.idle_revoked` "
-    "audit event; unset: never",
+    "connections.max_idle_days": "connections neither used nor connected again by their user "
+    "for this many whole days are revoked (revocation queued) and deleted by the housekeeping, "
+    "with a `connection.idle_revoked` audit event; unset: never",
     "audit.retention_days": "audit events older than this many days (1 to 3650) are deleted by the "
     "housekeeping sweep (every minute, in each process); `connect-broker audit list` shows them",
     "providers.<name>.kind": "`api_key`, `oauth2` or `oidc` (a `preset` supplies it)",
@@ -223,11 +227,17 @@ else `./broker.toml` if present. `broker.example.toml` is a commented starting p
   `BROKER_DATABASE_URL`. For a provider, service or webhook the variable is
   `BROKER_PROVIDERS_<NAME>_<KEY>` (`BROKER_SERVICES_<NAME>_<KEY>`,
   `BROKER_WEBHOOKS_<NAME>_<KEY>`), and the table `[providers.<name>]` must exist in the file.
-  Lists are comma-separated or a JSON array.
+- A list key (type `tuple[…]`) given as one string, from the environment or a `_file`, is a
+  JSON array when it starts with `[` (`["a,b", "c"]`, for items holding a comma), else
+  comma-separated (`BROKER_PROVIDERS_GH_TOKEN_TYPES=bearer,mac`). A table key (type `dict[…]`,
+  `authorize_params`) is a JSON object: `BROKER_PROVIDERS_GH_AUTHORIZE_PARAMS='{"prompt":
+  "consent"}'`. An API key's `validation` table is set in the file only.
 - A key ending in `_file` reads the value of the key without the suffix from that file (for
   mounted secrets): `client_secret_file = "/run/secrets/github"`, or
-  `BROKER_IDENTITY_LOGIN_CLIENT_SECRET_FILE`. A webhook's `secret_file` is its own key: its
-  secret can only come from a file.
+  `BROKER_IDENTITY_LOGIN_CLIENT_SECRET_FILE`. The environment wins over the file either way:
+  `BROKER_PROVIDERS_GH_CLIENT_SECRET` over both `client_secret` and `client_secret_file` in
+  the file, `BROKER_PROVIDERS_GH_CLIENT_SECRET_FILE` over both as well; setting both variables is
+  an error. A webhook's `secret_file` is its own key: its secret can only come from a file.
 - `serve` also needs `identity.issuer`, `identity.login_client_id` and at least one key in each
   of `keys.signing` and `keys.encryption` (`connect-broker keys generate` prints them).
 """

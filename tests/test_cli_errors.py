@@ -210,3 +210,30 @@ def test_a_schema_from_a_newer_version_is_named(
         "which this version of connect-broker does not know (a newer version migrated it?); "
         "run that version, or upgrade this one\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("command_name", "port"),
+    [("serve", "99999"), ("serve", "0"), ("dev", "70000"), ("dev", "-1")],
+)
+def test_a_port_out_of_range_is_an_argument_error(
+    command_name: str, port: str, tmp_path: Path
+) -> None:
+    """Not an OverflowError from the socket: argparse's own error, before anything is done."""
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", command_name, "--port", port],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"connect-broker {command_name}: error: argument --port: invalid port {port}: ports are "
+        "1 to 65535"
+    )
+    assert list(tmp_path.iterdir()) == []  # `dev` made no data directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import time
@@ -10,10 +11,17 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from joserfc.jws import JWSRegistry
 
-from app.config import ConfigError, load_settings, require_serve_ready
+from app.config import (
+    SIGNATURE_ALGORITHMS,
+    ConfigError,
+    Settings,
+    load_settings,
+    require_serve_ready,
+)
 from app.crypto import generate_key
-from app.providers.settings import ApiKeyProviderSettings
+from app.providers.settings import ApiKeyProviderSettings, OAuthProviderSettings
 
 from .support.broker import BrokerConfig, cli
 from .support.http import local_get
@@ -338,3 +346,161 @@ def test_a_config_or_secret_file_that_is_not_utf_8_is_named(tmp_path: Path) -> N
         load_settings(config, environ={})
 
     assert str(error.value) == f"keys.signing_file: {binary} is not UTF-8 text"
+
+
+REFUSED = "is not an asymmetric signature algorithm; use some of " + ", ".join(SIGNATURE_ALGORITHMS)
+
+
+@pytest.mark.parametrize(
+    ("algorithms", "message"),
+    [
+        (["RS256", "none"], f"'none' {REFUSED}"),
+        (["none"], f"'none' {REFUSED}"),
+        (["HS256"], f"'HS256' {REFUSED}"),
+        (["ES256", "HS512"], f"'HS512' {REFUSED}"),
+        (["rs256"], f"'rs256' {REFUSED}"),
+        (["ES256K"], f"'ES256K' {REFUSED}"),
+        ([], "name at least one algorithm (e.g. RS256)"),
+    ],
+    ids=["none-beside-RS256", "none", "HS256", "HS512", "lower-case", "ES256K", "empty"],
+)
+def test_identity_algorithms_are_asymmetric_signatures_only(
+    tmp_path: Path, algorithms: list[str], message: str
+) -> None:
+    """`none` would take an unsigned token for any user, and an HMAC algorithm a token keyed
+    with the IdP's public key: refused as the configuration loads, from the file or the
+    environment."""
+    listed = f"[identity]\nalgorithms = {json.dumps(algorithms)}\n"
+    in_file = write(tmp_path, VALID.replace("[identity]\n", listed))
+    with pytest.raises(ConfigError) as from_file:
+        load_settings(in_file, environ={})
+    variable = {"BROKER_IDENTITY_ALGORITHMS": ",".join(algorithms)}
+    with pytest.raises(ConfigError) as from_environment:
+        load_settings(write(tmp_path, VALID), environ=variable)
+
+    assert str(from_file.value) == str(from_environment.value) == f"identity.algorithms: {message}"
+
+
+def test_every_asymmetric_signature_algorithm_is_accepted(tmp_path: Path) -> None:
+    every = ",".join(SIGNATURE_ALGORITHMS)
+
+    settings = load_settings(write(tmp_path, VALID), environ={"BROKER_IDENTITY_ALGORITHMS": every})
+
+    assert settings.identity.algorithms == SIGNATURE_ALGORITHMS
+    assert set(SIGNATURE_ALGORITHMS) <= set(JWSRegistry.algorithms)  # joserfc verifies each
+
+
+def test_serve_refuses_the_none_algorithm_in_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+
+    result = cli("serve", config_path=path, env={"BROKER_IDENTITY_ALGORITHMS": "RS256,none"})
+
+    assert result.returncode == 2
+    assert result.stderr == f"configuration error: identity.algorithms: 'none' {REFUSED}\n"
+
+
+GITHUB = """
+[providers.gh]
+preset = "github"
+client_id = "x"
+client_secret_file = "{secret}"
+
+[services.bot]
+"""
+
+
+def github(tmp_path: Path) -> Path:
+    secret = tmp_path / "github-secret"
+    secret.write_text("from-the-file\n")
+    return write(tmp_path, VALID + GITHUB.format(secret=secret))
+
+
+def oauth(settings: Settings, name: str = "gh") -> OAuthProviderSettings:
+    provider = settings.providers[name]
+    assert isinstance(provider, OAuthProviderSettings)
+    return provider
+
+
+def test_list_and_table_keys_take_one_string_from_the_environment(tmp_path: Path) -> None:
+    """Each list key a comma list or a JSON array, each table key a JSON object, whichever
+    section or named table the key is in."""
+    environ = {
+        "BROKER_PROVIDERS_GH_AUTHORIZE_PARAMS": '{"prompt": "consent"}',
+        "BROKER_PROVIDERS_GH_TOKEN_TYPES": "bearer, mac",
+        "BROKER_PROVIDERS_GH_SCOPES": '["repo", "read:user"]',
+        "BROKER_SERVICES_BOT_SHARE_FROM": "mcp",
+        "BROKER_SERVER_ALLOWED_ORIGINS": '["https://a.example.com", "https://b.example.com"]',
+        "BROKER_IDENTITY_DEFAULT_SCOPES": "openid,profile",
+    }
+
+    settings = load_settings(github(tmp_path), environ=environ)
+
+    assert oauth(settings).authorize_params == {"prompt": "consent"}
+    assert oauth(settings).token_types == ("bearer", "mac")
+    assert oauth(settings).scopes == ("repo", "read:user")
+    assert settings.services["bot"].share_from == ("mcp",)
+    assert settings.server.allowed_origins == ("https://a.example.com", "https://b.example.com")
+    assert settings.identity.default_scopes == ("openid", "profile")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "BROKER_PROVIDERS_GH_AUTHORIZE_PARAMS",
+            "prompt=consent",
+            "providers.gh.authorize_params: must be a table: as one string, a JSON object",
+        ),
+        (
+            "BROKER_PROVIDERS_GH_AUTHORIZE_PARAMS",
+            "{prompt: consent}",
+            "providers.gh.authorize_params: starts with { but is not JSON: Expecting property "
+            "name enclosed in double quotes",
+        ),
+        (
+            "BROKER_SERVICES_BOT_SHARE_FROM",
+            "[mcp",
+            "services.bot.share_from: starts with [ but is not JSON: Expecting value",
+        ),
+    ],
+    ids=["table-not-json", "table-bad-json", "list-bad-json"],
+)
+def test_a_list_or_table_from_the_environment_that_is_neither_is_named(
+    tmp_path: Path, variable: str, value: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_settings(github(tmp_path), environ={variable: value})
+
+    assert str(error.value) == message
+
+
+def test_the_environment_wins_over_the_file_and_its_secret_files(tmp_path: Path) -> None:
+    """A variable for `client_secret` wins over the file's `client_secret_file`, one for
+    `client_secret_file` over the file's `client_secret`; both variables at once is an error."""
+    path = github(tmp_path)
+    other = tmp_path / "other-secret"
+    other.write_text("from-the-other-file\n")
+    inline = tmp_path / "inline.toml"
+    inline.write_text(path.read_text().replace("client_secret_file", "client_secret"))
+
+    from_file = load_settings(path, environ={})
+    over_file = load_settings(path, environ={"BROKER_PROVIDERS_GH_CLIENT_SECRET": "from-env"})
+    over_inline = load_settings(
+        inline, environ={"BROKER_PROVIDERS_GH_CLIENT_SECRET_FILE": str(other)}
+    )
+    with pytest.raises(ConfigError) as both:
+        load_settings(
+            path,
+            environ={
+                "BROKER_PROVIDERS_GH_CLIENT_SECRET": "from-env",
+                "BROKER_PROVIDERS_GH_CLIENT_SECRET_FILE": str(other),
+            },
+        )
+
+    assert oauth(from_file).client_secret.get_secret_value() == "from-the-file"
+    assert oauth(over_file).client_secret.get_secret_value() == "from-env"
+    assert oauth(over_inline).client_secret.get_secret_value() == "from-the-other-file"
+    assert str(both.value) == (
+        "BROKER_PROVIDERS_GH_CLIENT_SECRET and BROKER_PROVIDERS_GH_CLIENT_SECRET_FILE are both "
+        "set; keep one"
+    )

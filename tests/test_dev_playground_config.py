@@ -239,3 +239,26 @@ async def test_serve_pages_carry_no_development_banner(
     assert consent.status_code == 200 and "GitHub" in consent.text
     assert connections.status_code == 200 and "Connect Broker" in connections.text
     assert BANNER not in consent.text and BANNER not in connections.text
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_dev_writes_the_log_format_the_configuration_names(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`logging.format` applies to `dev` as to `serve`: from `dev --config FILE`, or from
+    BROKER_LOGGING_FORMAT without a file."""
+    args: tuple[str, ...] = ()
+    if source == "file":
+        (tmp_path / "mine.toml").write_text('[logging]\nformat = "json"\n')
+        args = ("--config", "mine.toml")
+    else:
+        monkeypatch.setenv("BROKER_LOGGING_FORMAT", "json")
+
+    with running_dev(tmp_path, free_port(), *args) as (_url, log):
+        pass
+
+    text = log.read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.startswith('{"time"')]
+    messages = {record["message"] for record in records}
+    assert {"Application startup complete.", "Application shutdown complete."} <= messages, text
+    assert " INFO uvicorn.error " not in text  # no plain line

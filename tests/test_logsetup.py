@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import signal
 import sys
 import threading
 import time
@@ -20,6 +21,8 @@ from app.logsetup import (
     buffered_stderr,
     sole_line_handler,
 )
+
+from .support.broker import BrokerConfig, running_broker
 
 
 class CountingStream(io.StringIO):
@@ -70,6 +73,41 @@ async def test_a_warning_is_flushed_at_once_with_the_lines_before_it() -> None:
     assert len(stream.flushed) == 1
     assert "before" in stream.flushed[0]
     assert stream.flushed[0].endswith("WARNING test.logsetup.warning trouble\n")
+
+
+async def test_the_servers_own_lines_are_flushed_at_once_with_the_lines_before_them() -> None:
+    """uvicorn raises the SIGTERM that stopped it again within the loop turn that logged its
+    last lines: a flush at the end of that turn would never come."""
+    stream = CountingStream()
+    handler = TurnFlushedHandler(stream)
+    handler.setFormatter(LineFormatter())
+    server = logging.getLogger("uvicorn.error")
+    before = (server.handlers, server.level, server.propagate)
+    server.handlers, server.propagate = [handler], False
+    server.setLevel(logging.INFO)
+    try:
+        handler.write_plain(logging.INFO, "broker.access", "GET /healthz 200")
+        server.info("Application shutdown complete.")
+    finally:
+        server.handlers, server.propagate = before[0], before[2]
+        server.setLevel(before[1])
+
+    assert len(stream.flushed) == 1
+    assert "GET /healthz 200" in stream.flushed[0]
+    assert stream.flushed[0].endswith("INFO uvicorn.error Application shutdown complete.\n")
+
+
+def test_serve_writes_its_last_lines_before_a_sigterm_ends_it(tmp_path: Path) -> None:
+    config = BrokerConfig(issuer="http://127.0.0.1:1")
+    with running_broker(config, tmp_path) as broker:
+        broker.stop()
+
+    last = broker.log().splitlines()[-2:]
+    assert broker.process.returncode == -signal.SIGTERM  # uvicorn raised it again
+    assert [line.split(" ", 2)[2] for line in last] == [
+        "INFO uvicorn.error Application shutdown complete.",
+        f"INFO uvicorn.error Finished server process [{broker.process.pid}]",
+    ]
 
 
 def test_outside_an_event_loop_every_line_is_flushed_at_once() -> None:

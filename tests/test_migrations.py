@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from app.db import create_engine
 from app.migrate import alembic_config, head_revision, is_current, shipped_revisions, upgrade
 from app.models import Base
 
-from .support.broker import drop_database, fresh_database
+from .support.broker import cli, drop_database, fresh_database
 
 pytestmark = pytest.mark.both_databases
 
@@ -153,3 +154,77 @@ def test_0010_keeps_connections_of_old_and_tells_several_accounts_apart(tmp_path
     assert kept["selected_at"] is not None
     assert [row["account_id"] for row in both] == ["", "42"]
     assert len(after_downgrade) == 1  # one account per provider again: the latest selected
+
+
+def _config(tmp_path: Path, url: str) -> Path:
+    path = tmp_path / "broker.toml"
+    path.write_text(f"[database]\nurl = {json.dumps(url)}\n")
+    return path
+
+
+def test_a_migrate_failing_part_way_keeps_nothing_and_the_next_one_completes(
+    tmp_path: Path,
+) -> None:
+    """One transaction for the whole run: a failure in the last migration (here a table in the
+    way of 0010's last statement) leaves the database as it was, with nothing to clean up, so
+    that once the cause is gone `migrate` completes. The failure is one line, not taken for an
+    unreachable database."""
+    url = fresh_database(tmp_path, "partway")
+    path = _config(tmp_path, url)
+    try:
+        _rows(url, "CREATE TABLE account_choices (id INTEGER)")
+        failed = cli("migrate", config_path=path)
+        left = _tables(url)
+        _rows(url, "DROP TABLE account_choices")
+        again = cli("migrate", config_path=path)
+        diff = _schema_diff(url)
+    finally:
+        drop_database(url)
+
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("error: database.url: migrating the schema failed: ")
+    assert failed.stderr.endswith(
+        "; nothing of it was kept (there is no schema yet). Fix what the database names, then "
+        "run `connect-broker migrate` again\n"
+    )
+    assert "account_choices" in failed.stderr and failed.stderr.count("\n") == 1
+    assert left == {"account_choices"}
+    assert (again.returncode, again.stdout) == (
+        0,
+        f"created database schema at revision {head_revision()}\n",
+    )
+    assert diff == []
+
+
+@pytest.mark.parametrize("start", [None, "0007"], ids=["empty", "from-0007"])
+def test_migrate_runs_at_the_same_time_take_turns(tmp_path: Path, start: str | None) -> None:
+    """Three `connect-broker migrate` at once (replicas starting, a deployment run twice): one
+    migrates, the others find the schema current once it is."""
+    url = fresh_database(tmp_path, "together")
+    path = _config(tmp_path, url)
+    head = head_revision()
+    try:
+        if start:
+            command.upgrade(alembic_config(url), start)
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "--config", str(path), "migrate"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        results = [(run.wait(120), *run.communicate()) for run in runs]
+        diff = _schema_diff(url)
+    finally:
+        drop_database(url)
+
+    current = f"database schema already current at revision {head}\n"
+    done = (
+        f"upgraded database schema from revision {start} to {head}\n"
+        if start
+        else f"created database schema at revision {head}\n"
+    )
+    assert sorted(results) == sorted([(0, done, ""), (0, current, ""), (0, current, "")])
+    assert diff == []
