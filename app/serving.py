@@ -85,7 +85,7 @@ class _Guard:
         super().data_received(data)  # type: ignore[misc]
         if self.transport.is_closing():
             return
-        if not self._between_requests():
+        if not self._headers_arriving():
             self._header_bytes = 0
         elif self._too_many_header_bytes(len(data)):
             return
@@ -119,6 +119,11 @@ class _Guard:
                 timer.cancel()
         self._header_timer = self._body_timer = self._write_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def _headers_arriving(self) -> bool:
+        """Whether a request's headers have begun and are not complete. h11 bounds their size
+        itself (16 KiB, then 400): only httptools needs counting (GuardedHttpToolsProtocol)."""
+        return False
 
     def _too_many_header_bytes(self, received: int) -> bool:
         """Count `received` bytes towards the arriving headers; past MAX_HEADER_BYTES answer
@@ -176,7 +181,22 @@ except ImportError:  # httptools is optional: uvicorn then runs h11, and so do w
 if HttpToolsProtocol is not None:
 
     class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
-        pass
+        """Knows from the parser's own events when a request's headers are arriving: after an
+        early answer (a 413) the rest of that request's body still arrives, and is no
+        headers."""
+
+        _reading_headers = False
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._reading_headers = True
+
+        def on_headers_complete(self) -> None:
+            self._reading_headers = False
+            super().on_headers_complete()
+
+        def _headers_arriving(self) -> bool:
+            return self._reading_headers
 
 
 def guarded_protocol(

@@ -24,7 +24,7 @@ from app.serving import guarded_protocol
 
 from .support.broker import BrokerConfig, BrokerProcess, running_broker
 from .support.idp import IdpProcess, free_port
-from .support.raw_http import ANSWER_SECONDS, read_answer, request_head
+from .support.raw_http import ANSWER_SECONDS, chunk, read_answer, request_head
 
 HEADER_TIMEOUT_SECONDS = 1
 MAX_CONNECTIONS = 6
@@ -262,6 +262,36 @@ async def test_L2_headers_past_the_cap_are_answered_431_and_closed(http: str) ->
             refused = await read_answer(reader)
         assert refused.status == (431 if http == "httptools" else 400)  # h11: its own 16 KiB
         assert await closed_by_server(reader)
+        writer.close()
+
+
+async def refuse_at_once(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers 413 without reading the body, as a route past its body cap does."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_L2_the_rest_of_a_body_answered_early_is_not_taken_for_headers(http: str) -> None:
+    """A route may answer before the body has arrived (a 413 past its cap): the rest of that
+    body, however long, still arrives and is read as body, not as the next request's headers
+    (which have their 64 KiB); the next request on the connection is answered."""
+    head = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = chunk(b" " * 16384)
+    async with serving(refuse_at_once, http) as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(head + piece)
+        async with asyncio.timeout(ANSWER_SECONDS):
+            assert (await read_answer(reader)).status == 413
+        for _ in range(16):  # 256 KiB more of the same body, after its answer
+            writer.write(piece)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n" + b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        async with asyncio.timeout(ANSWER_SECONDS):
+            assert (await read_answer(reader)).status == 413  # the next request's answer
         writer.close()
 
 
