@@ -169,19 +169,24 @@ def test_an_unreadable_config_file_is_one_line(args: tuple[str, ...], tmp_path: 
     )
 
 
-def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
-    """`dev` keeps the playground's state under ./data; here ./data is a file."""
-    (tmp_path / "data").write_text("")
-
-    result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "dev", "--port", str(free_port())],
+def cli_in(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`connect-broker ARGS` run in `directory` with no configuration file."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
         capture_output=True,
         text=True,
-        cwd=tmp_path,
+        cwd=directory,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         timeout=60,
         check=False,
     )
+
+
+def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:
+    """`dev` keeps the playground's state under ./data; here ./data is a file."""
+    (tmp_path / "data").write_text("")
+
+    result = cli_in(tmp_path, "dev", "--port", str(free_port()))
 
     assert result.returncode == 1
     assert result.stderr == "error: data: File exists; check the path and its permissions\n"
@@ -220,15 +225,7 @@ def test_a_port_out_of_range_is_an_argument_error(
     command_name: str, port: str, tmp_path: Path
 ) -> None:
     """Not an OverflowError from the socket: argparse's own error, before anything is done."""
-    result = subprocess.run(
-        [sys.executable, "-m", "app.cli", command_name, "--port", port],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
-        check=False,
-    )
+    result = cli_in(tmp_path, command_name, "--port", port)
 
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -334,15 +334,16 @@ async def test_database_holds_no_plaintext_secret(
     assert rows and "CANARYKEY" not in repr(rows)
 
 
-def test_i5_keys_rotate_command_reseals_with_the_first_key(tmp_path: Path) -> None:
-    """I5 through the CLI: put the new key first, keep the old one, run `keys rotate`."""
-    from .support.broker import BrokerConfig, cli
+def configured_with_a_stored_key(
+    tmp_path: Path, *, encryption: list[str], sealed_with: str, api_key: str
+) -> tuple[str, Path]:
+    """A migrated database holding one API key sealed with `sealed_with`, and a configuration
+    file naming it with the `encryption` keys: (database URL, configuration path)."""
+    from .support.broker import BrokerConfig
 
-    old, new = generate_key("e-old"), generate_key("e-new")
     url = fresh_database(tmp_path, "rotate")
-    config = BrokerConfig(issuer="http://127.0.0.1:1", encryption=[new, old])
     path = tmp_path / "broker.toml"
-    path.write_text(config.render(url))
+    path.write_text(BrokerConfig(issuer="http://127.0.0.1:1", encryption=encryption).render(url))
     upgrade(url)
 
     async def seed() -> None:
@@ -350,15 +351,26 @@ def test_i5_keys_rotate_command_reseals_with_the_first_key(tmp_path: Path) -> No
         async with create_sessionmaker(engine).begin() as session:
             await credentials.store(
                 session,
-                keys=Keyring.parse((old,)),
+                keys=Keyring.parse((sealed_with,)),
                 principal=ALICE,
                 provider="demo",
                 audience="mcp",
-                secret={"api_key": "sk_x"},
+                secret={"api_key": api_key},
             )
         await engine.dispose()
 
     asyncio.run(seed())
+    return url, path
+
+
+def test_i5_keys_rotate_command_reseals_with_the_first_key(tmp_path: Path) -> None:
+    """I5 through the CLI: put the new key first, keep the old one, run `keys rotate`."""
+    from .support.broker import cli
+
+    old, new = generate_key("e-old"), generate_key("e-new")
+    url, path = configured_with_a_stored_key(
+        tmp_path, encryption=[new, old], sealed_with=old, api_key="sk_x"
+    )
     try:
         result = cli("keys", "rotate", config_path=path)
         again = cli("keys", "rotate", config_path=path)
@@ -375,28 +387,12 @@ def test_keys_rotate_fails_while_a_credential_no_configured_key_opens_remains(
 ) -> None:
     """The runbook's next step after `keys rotate` is removing the old key: a credential sealed
     with a key no longer configured must make the command fail and say so, not exit 0."""
-    from .support.broker import BrokerConfig, cli
+    from .support.broker import cli
 
     lost, new = generate_key("e-lost"), generate_key("e-new")
-    url = fresh_database(tmp_path, "rotate-lost")
-    path = tmp_path / "broker.toml"
-    path.write_text(BrokerConfig(issuer="http://127.0.0.1:1", encryption=[new]).render(url))
-    upgrade(url)
-
-    async def seed() -> None:
-        engine = create_engine(url, pool_size=1)
-        async with create_sessionmaker(engine).begin() as session:
-            await credentials.store(
-                session,
-                keys=Keyring.parse((lost,)),
-                principal=ALICE,
-                provider="demo",
-                audience="mcp",
-                secret={"api_key": "sk_lost"},
-            )
-        await engine.dispose()
-
-    asyncio.run(seed())
+    url, path = configured_with_a_stored_key(
+        tmp_path, encryption=[new], sealed_with=lost, api_key="sk_lost"
+    )
     try:
         result = cli("keys", "rotate", config_path=path)
     finally:

@@ -145,6 +145,11 @@ class Broker:
         )
 
     async def connect(self, *, expires_in: timedelta, sealing: Keyring) -> Connection:
+        await self.grant({"access_token": "at1", "refresh_token": "rt1"}, expires_in, sealing)
+        return await self.row()
+
+    async def grant(self, secret: dict[str, str], expires_in: timedelta, sealing: Keyring) -> None:
+        """Alice's account connected (again) with `secret`, as a completed connect flow does."""
         async with self.sessions.begin() as session:
             await credentials.store(
                 session,
@@ -152,10 +157,9 @@ class Broker:
                 principal=ALICE,
                 provider=PROVIDER,
                 audience="mcp",
-                secret={"access_token": "at1", "refresh_token": "rt1"},
+                secret=secret,
                 expires_at=utcnow() + expires_in,
             )
-        return await self.row()
 
     async def row(self) -> Connection:
         async with self.sessions() as session:
@@ -296,19 +300,8 @@ async def test_a_new_grant_stored_during_a_refresh_is_not_overwritten(broker: Br
     keys = Keyring.parse((OLD_KEY,))
     refresh = await refresh_held_at_the_provider(broker, keys)
 
-    async def grant_again() -> None:
-        async with broker.sessions.begin() as session:
-            await credentials.store(
-                session,
-                keys=keys,
-                principal=ALICE,
-                provider=PROVIDER,
-                audience="mcp",
-                secret={"access_token": "at-new", "refresh_token": "rt-new"},
-                expires_at=utcnow() + timedelta(hours=1),
-            )
-
-    granting = asyncio.create_task(grant_again())
+    new_grant = {"access_token": "at-new", "refresh_token": "rt-new"}
+    granting = asyncio.create_task(broker.grant(new_grant, timedelta(hours=1), keys))
     await asyncio.sleep(0.3)  # PostgreSQL: the new grant waits for the refresh's row lock
     broker.acme.release.set()
     await asyncio.wait_for(asyncio.gather(refresh, granting), WAIT)
