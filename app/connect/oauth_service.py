@@ -25,6 +25,7 @@ from app import credentials
 from app.audit import Actor
 from app.auth.jwks import JwksUnavailable, ProviderIssuers
 from app.clock import utcnow
+from app.config import SIGNATURE_ALGORITHMS
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier
 from app.connect.service import FlowView
@@ -309,9 +310,7 @@ class OAuthGrants:
             keys = await self._issuers(provider.issuer).keys_for(
                 kid if isinstance(kid, str) else None
             )
-            decoded = jwt.decode(
-                tokens.id_token, keys, algorithms=["RS256", "PS256", "ES256", "EdDSA"]
-            )
+            decoded = jwt.decode(tokens.id_token, keys, algorithms=list(SIGNATURE_ALGORITHMS))
             JWTClaimsRegistry(
                 leeway=60,
                 iss={"essential": True, "value": provider.issuer},
