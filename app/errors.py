@@ -200,6 +200,27 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
     return response
 
 
+class ProviderUnavailable(TimeoutError):
+    """A provider the answer needs could not be reached now (a credential's refresh): answered
+    as a short unavailability, as the database's is (503 and `Retry-After`; on `/mcp`,
+    JSON-RPC's retry-shortly error), but said and logged as the provider's."""
+
+
+class ProviderTemporarilyUnavailable(BrokerError):
+    status_code = 503
+    code = "provider_unavailable"
+    title = "The provider is temporarily unavailable"
+    message = "The credential's provider could not be reached to refresh it; nothing changed."
+    next_step = "Retry in a moment."
+
+
+async def on_provider_unavailable(request: Request, exc: Exception) -> Response:
+    logger.warning("provider.unavailable error=%s", type(exc).__name__)
+    response = render_error(request, ProviderTemporarilyUnavailable())
+    response.headers["Retry-After"] = "5"
+    return response
+
+
 async def on_database_error(request: Request, exc: Exception) -> Response:
     logger.error("database.unavailable error=%s", type(exc).__name__)
     response = render_error(request, ServiceUnavailable())

@@ -44,10 +44,12 @@ from app.errors import (
     DATABASE_ERRORS,
     LOGGED_ERROR_KEY,
     BrokerError,
+    ProviderUnavailable,
     on_broker_error,
     on_client_disconnect,
     on_database_error,
     on_http_exception,
+    on_provider_unavailable,
     on_unexpected_error,
 )
 from app.integration_api import admin as admin_routes
@@ -365,6 +367,7 @@ def create_app(
     app.add_exception_handler(BrokerError, on_broker_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(ClientDisconnect, on_client_disconnect)
+    app.add_exception_handler(ProviderUnavailable, on_provider_unavailable)
     for error in DATABASE_ERRORS:
         app.add_exception_handler(error, on_database_error)
     app.add_exception_handler(Exception, on_unexpected_error)

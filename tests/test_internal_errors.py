@@ -11,6 +11,7 @@ neither the answer nor the log.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -21,9 +22,12 @@ import httpx2
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from starlette.requests import Request
 
 from app.bug_report import WITHHELD
 from app.config import load_settings
+from app.connect.refresh import RefreshUnavailable
+from app.errors import on_provider_unavailable
 from app.main import create_app
 from app.mcp.registry import ToolCall, ToolRegistry, ToolResult
 
@@ -195,3 +199,25 @@ async def test_tool_bug_is_jsonrpc_internal_error_and_one_traceback(
     assert CANARY not in response.text
     one_tagged_traceback(caplog, f"mcp.internal_error rid={reference}")
     await still_serving(http, served)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [("/api/v1/credentials/demo", "problem"), ("/connect/x", "page")]
+)
+async def test_a_provider_that_cannot_refresh_is_said_to_be_the_provider(
+    path: str, kind: str
+) -> None:
+    """Answered as a short unavailability (503, Retry-After), but as the provider's: it was
+    worded and logged as the broker's database being unreachable."""
+    request = Request({"type": "http", "method": "GET", "path": path, "headers": [], "state": {}})
+
+    answer = await on_provider_unavailable(request, RefreshUnavailable())
+
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "5"
+    text = bytes(answer.body).decode()
+    assert "provider" in text and "database" not in text
+    if kind == "problem":
+        assert json.loads(text)["type"] == "urn:connect-broker:error:provider_unavailable"
+    else:
+        assert answer.headers["content-type"].startswith("text/html")

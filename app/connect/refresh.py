@@ -35,6 +35,7 @@ from app.credentials import Credential
 from app.crypto import Keyring
 from app.db import POOL_TIMEOUT_SECONDS
 from app.direct import ConnectionRecord, DirectStore
+from app.errors import ProviderUnavailable
 from app.models import Connection, ConnectionStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
@@ -49,11 +50,10 @@ MAX_LIFETIME = timedelta(days=1)
 _process_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
-class RefreshUnavailable(TimeoutError):
+class RefreshUnavailable(ProviderUnavailable):
     """The access token has expired and its provider could not refresh it now (unreachable,
-    failing, or a refresh slot not free in time): answered as the broker's own short
-    unavailability on every surface (503 and `Retry-After`, or JSON-RPC's retry-shortly error),
-    as a refresh waiting for a slot always was."""
+    failing, or a refresh slot not free in time): a short unavailability on every surface
+    (app/errors.py), never "not connected"."""
 
 
 def _due(row: Connection | ConnectionRecord, secret: dict[str, str]) -> bool:

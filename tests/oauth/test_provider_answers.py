@@ -424,3 +424,43 @@ async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Cl
     assert await count_rows(clients.db, "connections", subject=user) == 0
     assert [form["token"] for form in clients.provider.revoked] == [issued]
     assert await log.shows(f"token.discarded flow_id={flow_id} why=flow_moved_on revoked=yes")
+
+
+async def test_an_expired_token_whose_provider_is_down_asks_to_retry_shortly(
+    clients: Clients,
+) -> None:
+    """The provider answers the refresh of an expired token with a 503: the tool call is told
+    to retry shortly (503, Retry-After; the log says the provider, not the database), never
+    sent into a new connect flow as if the user had no connection; the connection is untouched,
+    and once the provider is back the same call refreshes and answers."""
+    user = fresh_user("refresh-down")
+    flow_id, callback_url = await clients.at_callback(user)
+    issued = {"access_token": "tok_first", "token_type": "bearer", "expires_in": 3600}
+    clients.provider.token = json_answer(issued | {"refresh_token": "ref_first"})
+    assert (await deliver(clients.browser, callback_url)).status_code == 303
+    async with clients.db.begin() as connection:
+        await connection.execute(
+            text("UPDATE connections SET expires_at = :past WHERE subject = :user"),
+            {"past": utcnow() - timedelta(minutes=1), "user": user},
+        )
+    flows_before = await count_rows(clients.db, "flows", subject=user)
+    clients.provider.token = json_answer({"error": "temporarily_unavailable"}, status=503)
+    log = clients.log()
+    token = clients.scripted.stack.token(user)
+    arguments = {"provider": PROVIDER}
+
+    down = await clients.mcp.call_tool(token, "connect_account", arguments)
+    flows_after = await count_rows(clients.db, "flows", subject=user)
+    clients.provider.token = json_answer(issued | {"refresh_token": "ref_second"})
+    back = await clients.mcp.call_tool(token, "connect_account", arguments)
+
+    assert down.status_code == 503, down.text
+    assert down.headers["retry-after"] == "5"
+    assert "retry shortly" in down.json()["error"]["message"]
+    assert flows_after == flows_before, flow_id  # no new connect flow
+    assert (await connection_row(clients.db, user, PROVIDER))["status"] == "active"
+    assert back.status_code == 200, back.text
+    assert back.json()["result"]["structuredContent"]["status"] == "connected"
+    assert await log.shows(
+        f"oauth.refresh_failed provider={PROVIDER} reason=provider_error:temporarily_unavailable"
+    )
