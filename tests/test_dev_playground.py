@@ -76,6 +76,11 @@ async def test_dev_playground_connects_the_demo_provider_end_to_end(
     await browser.aclose()
 
     assert "DEVELOPMENT IDENTITY PROVIDER" in form.text
+    assert back.status_code == 303  # the code and state in Location: never cached nor referred
+    assert (back.headers["cache-control"], back.headers["referrer-policy"]) == (
+        "no-store",
+        "no-referrer",
+    )
     assert landed.headers["location"] == f"/connect/{flow_id}"
     assert retry.json()["result"]["structuredContent"]["status"] == "connected"
 

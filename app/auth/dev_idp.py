@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from app.crypto import b64encode, constant_time_equal
 from app.errors import BrokerError
-from app.templating import render
+from app.templating import html_security_headers, render
 
 TOKEN_LIFETIME = 12 * 3600
 CODE_LIFETIME = 120
@@ -133,7 +133,11 @@ class DevIdentityProvider:
             time.time() + CODE_LIFETIME,
         )
         query = urlencode({"code": code, "state": params.get("state", "")})
-        return RedirectResponse(f"{params['redirect_uri']}?{query}", status_code=303)
+        # the code and state in Location: neither cached nor sent on as a Referer, as the
+        # broker's own redirects carrying them
+        return RedirectResponse(
+            f"{params['redirect_uri']}?{query}", status_code=303, headers=html_security_headers()
+        )
 
     async def _token(self, request: Request) -> Response:
         try:
