@@ -26,6 +26,7 @@ from app import jsonbytes
 from app.auth.bearer import IdpUnavailable, InvalidToken, bearer_token, challenge
 from app.auth.principal import McpCaller
 from app.bug_report import redacted_traceback
+from app.errors import ProviderUnavailable
 from app.json_message import JsonMessage
 from app.limits import client_key
 from app.mcp.envelope import HeaderMap, Message, check_message, header_map, parse_body
@@ -144,7 +145,10 @@ def _failure(
         server.metrics.mcp_error(exc.code)
         return _error(exc, request_id)
     if isinstance(exc, OperationalError | DBAPIError | PoolTimeout | OSError | TimeoutError):
-        logger.error("mcp.unavailable error=%s", type(exc).__name__)
+        if isinstance(exc, ProviderUnavailable):  # the provider's outage, not the broker's
+            logger.warning("provider.unavailable error=%s", type(exc).__name__)
+        else:
+            logger.error("mcp.unavailable error=%s", type(exc).__name__)
         unavailable = JsonRpcError(
             INTERNAL_ERROR,
             "The service is temporarily unavailable; retry shortly",

@@ -464,3 +464,5 @@ async def test_an_expired_token_whose_provider_is_down_asks_to_retry_shortly(
     assert await log.shows(
         f"oauth.refresh_failed provider={PROVIDER} reason=provider_error:temporarily_unavailable"
     )
+    assert await log.shows("WARNING broker.mcp provider.unavailable error=RefreshUnavailable")
+    assert "mcp.unavailable" not in log.text()  # the provider's outage, not the broker's
