@@ -95,21 +95,15 @@ class Issuer:
             def do_GET(self) -> None:
                 if self.path == "/.well-known/openid-configuration":
                     body = json.dumps({"issuer": issuer.url, "jwks_uri": f"{issuer.url}/jwks"})
-                    self._answer(body.encode())
+                    self.answer(200, body.encode(), content_type="application/json")
                 elif issuer.endless:
                     self._endless()
                 elif issuer.jwks_body is not None:
-                    self._answer(issuer.jwks_body)
+                    self.answer(200, issuer.jwks_body, content_type="application/json")
                 else:
                     jwk = RSAAlgorithm.to_jwk(SIGNING_KEY.public_key(), as_dict=True)
-                    self._answer(json.dumps({"keys": [jwk | {"kid": "k1"}]}).encode())
-
-            def _answer(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    keys = json.dumps({"keys": [jwk | {"kid": "k1"}]}).encode()
+                    self.answer(200, keys, content_type="application/json")
 
             def _endless(self) -> None:
                 self.send_response(200)

@@ -87,11 +87,7 @@ class HostileIssuer:
                 else:
                     document = {"keys": [public_jwk(issuer.jwk)]}
                 payload = json.dumps(document).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self.answer(200, payload, content_type="application/json")
 
             def do_POST(self) -> None:
                 with issuer._lock:

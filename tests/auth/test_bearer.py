@@ -192,11 +192,7 @@ class LocalIssuer:
                     self.send_error(500 if issuer.failing else 404)
                     return
                 payload = json.dumps(document).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self.answer(200, payload, content_type="application/json")
 
         return Handler
 

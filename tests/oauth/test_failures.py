@@ -328,9 +328,7 @@ def hanging_issuer() -> Iterator[HangingIssuer]:
         def do_GET(self) -> None:
             issuer.requests += 1
             issuer.release.wait(HOLD_SECONDS)
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            self.answer(503)
 
     with LocalServer(Handler, name="hanging-issuer") as server:
         issuer.url = server.url

@@ -104,19 +104,13 @@ def scripted_provider() -> Iterator[ScriptedProvider]:
         def do_GET(self) -> None:
             query = dict(parse_qsl(urlsplit(self.path).query))
             back = {"code": f"code_{secrets.token_hex(8)}", "state": query.get("state", "")}
-            self.send_response(302)
-            self.send_header("Location", f"{query.get('redirect_uri', '')}?{urlencode(back)}")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            location = f"{query.get('redirect_uri', '')}?{urlencode(back)}"
+            self.answer(302, headers={"Location": location})
 
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             answer = provider.answer(urlsplit(self.path).path, body)
-            self.send_response(answer.status)
-            self.send_header("Content-Type", answer.content_type)
-            self.send_header("Content-Length", str(len(answer.body)))
-            self.end_headers()
-            self.wfile.write(answer.body)
+            self.answer(answer.status, answer.body, content_type=answer.content_type)
 
     with LocalServer(Handler, name="scripted-provider") as server:
         provider.url = server.url

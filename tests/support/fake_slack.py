@@ -204,11 +204,7 @@ def running_fake_slack(redirect_uri: str) -> Iterator[FakeSlack]:
                 self._json(404, {"ok": False, "error": "unknown_method"})
                 return
             status, headers = fake.authorize(dict(parse_qsl(parts.query)))
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            self.answer(status, headers=headers)
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
@@ -223,11 +219,7 @@ def running_fake_slack(redirect_uri: str) -> Iterator[FakeSlack]:
 
         def _json(self, status: int, body: dict[str, Any]) -> None:
             raw = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json; charset=utf-8")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
+            self.answer(status, raw, content_type="application/json; charset=utf-8")
 
     with LocalServer(Handler, name="fake-slack") as server:
         fake.url = server.url

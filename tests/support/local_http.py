@@ -3,6 +3,7 @@ tests stand up (an identity provider, an OAuth provider, a webhook receiver, Sla
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Thread
 from types import TracebackType
@@ -16,6 +17,24 @@ class QuietHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         return
+
+    def answer(
+        self,
+        status: int,
+        body: bytes = b"",
+        *,
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """One whole answer: the status, `headers`, the body's type and length, the body."""
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 class LocalServer:
