@@ -18,9 +18,9 @@ that went or holds another grant does not, and the new tokens are revoked at onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -47,7 +47,32 @@ REFRESH_MARGIN = timedelta(minutes=5)
 # a refreshed token answered without a usable lifetime gets its predecessor's, within these bounds
 MIN_LIFETIME = 2 * REFRESH_MARGIN
 MAX_LIFETIME = timedelta(days=1)
-_process_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+class _RowLocks:
+    """One lock per connection this process is refreshing, kept while anyone holds or awaits
+    it (counted: a released lock may still have a waiter about to take it, and a second lock
+    for the same row would let two refreshes spend one refresh token)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, row_id: int) -> AsyncIterator[None]:
+        lock, users = self._locks.get(row_id) or (asyncio.Lock(), 0)
+        self._locks[row_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[row_id]
+            if users == 1:
+                del self._locks[row_id]
+            else:
+                self._locks[row_id] = (lock, users - 1)
+
+
+_process_locks = _RowLocks()
 
 
 class RefreshUnavailable(ProviderUnavailable):
@@ -139,13 +164,8 @@ class UsableCredentials:
         settings = self._providers.get(row.provider)
         if not isinstance(settings, OAuthProviderSettings) or not _due(row, secret):
             return credentials.as_credential(row, secret, accounts=accounts)
-        lock = _process_locks[row.id]
-        try:
-            async with lock:
-                found = await self._refresh(settings, connection_id=row.id, provider=row.provider)
-        finally:
-            if not lock.locked() and _process_locks.get(row.id) is lock:
-                del _process_locks[row.id]  # kept only while a refresh holds or awaits it
+        async with _process_locks.hold(row.id):
+            found = await self._refresh(settings, connection_id=row.id, provider=row.provider)
         return replace(found, accounts=accounts) if found is not None else None
 
     async def _refresh(

@@ -28,7 +28,13 @@ from app.clock import utcnow
 from app.connect.disconnect import disconnect
 from app.connect.notify import FlowNotifier
 from app.connect.oauth_service import OAuthGrants
-from app.connect.refresh import MAX_LIFETIME, MIN_LIFETIME, RefreshUnavailable, UsableCredentials
+from app.connect.refresh import (
+    MAX_LIFETIME,
+    MIN_LIFETIME,
+    RefreshUnavailable,
+    UsableCredentials,
+    _RowLocks,
+)
 from app.connect.revocations import Revoker
 from app.credentials import Credential
 from app.crypto import Keyring, Keys, generate_key
@@ -311,3 +317,32 @@ async def test_a_new_grant_stored_during_a_refresh_is_not_overwritten(broker: Br
         "access_token": "at-new",
         "refresh_token": "rt-new",
     }
+
+
+async def test_the_row_lock_is_kept_while_a_refresh_still_waits_for_it() -> None:
+    """A released lock may have a waiter about to take it: a caller coming then must wait for
+    that waiter, not get a lock of its own (two refreshes of one row would spend one refresh
+    token twice). The lock is dropped once nobody holds or awaits it."""
+    locks = _RowLocks()
+    held: list[str] = []
+    overlaps: list[tuple[str, ...]] = []
+    late: list[asyncio.Task[None]] = []
+
+    async def refresh(name: str, then: str | None = None) -> None:
+        async with locks.hold(7):
+            held.append(name)
+            overlaps.append(tuple(held))
+            await asyncio.sleep(0.02)
+            if then is not None:  # comes in as this one lets go, before the waiter runs
+                late.append(asyncio.create_task(refresh(then)))
+            held.remove(name)
+
+    first = asyncio.create_task(refresh("first", then="late"))
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(refresh("waiting"))
+    await asyncio.wait_for(asyncio.gather(first, waiting), WAIT)
+    await asyncio.wait_for(late[0], WAIT)
+
+    assert all(len(names) == 1 for names in overlaps), overlaps
+    assert sorted(names[0] for names in overlaps) == ["first", "late", "waiting"]
+    assert locks._locks == {}
