@@ -247,13 +247,17 @@ async def replace_tokens(
         keys=keys,
     )
     values = {
-        "sealed_credential": sealed,
-        "key_id": sealed_key_id(sealed),
+        **_sealed_values(sealed),
         "scopes": " ".join(sorted(scopes)),
         "expires_at": expires_at,
         "updated_at": utcnow(),
     }
     return await _update_if_unchanged(session, row, values)
+
+
+def _sealed_values(sealed: str) -> dict[str, object]:
+    """The columns of a credential sealed anew: the ciphertext and the id of its key."""
+    return {"sealed_credential": sealed, "key_id": sealed_key_id(sealed)}
 
 
 async def mark_needs_reauth(session: AsyncSession, row: Connection) -> bool:
@@ -408,15 +412,16 @@ async def reseal_all(session: AsyncSession, *, keys: Keyring) -> Resealed:
     resealed = unopened = 0
     for connection in connections.scalars():
         sealed = _resealed(connection, keys=keys)
-        unopened += sealed is None
-        values = {"sealed_credential": sealed, "key_id": sealed_key_id(sealed)} if sealed else {}
+        if sealed is None:
+            unopened += 1
         # written only if unchanged since read: a refresh meanwhile sealed it with the active key
-        if values and await _update_if_unchanged(session, connection, values):
+        elif await _update_if_unchanged(session, connection, _sealed_values(sealed)):
             resealed += 1
     for pending in revocations.scalars():  # nothing but a rotation rewrites these
         sealed = _resealed(pending, keys=keys)
-        unopened += sealed is None
-        if sealed:
+        if sealed is None:
+            unopened += 1
+        else:
             pending.sealed_credential, pending.key_id = sealed, sealed_key_id(sealed)
             resealed += 1
     await session.flush()

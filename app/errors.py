@@ -216,14 +216,16 @@ class ProviderTemporarilyUnavailable(BrokerError):
 
 async def on_provider_unavailable(request: Request, exc: Exception) -> Response:
     logger.warning("provider.unavailable error=%s", type(exc).__name__)
-    response = render_error(request, ProviderTemporarilyUnavailable())
-    response.headers["Retry-After"] = "5"
-    return response
+    return _retry_shortly(request, ProviderTemporarilyUnavailable())
 
 
 async def on_database_error(request: Request, exc: Exception) -> Response:
     logger.error("database.unavailable error=%s", type(exc).__name__)
-    response = render_error(request, ServiceUnavailable())
+    return _retry_shortly(request, ServiceUnavailable())
+
+
+def _retry_shortly(request: Request, error: BrokerError) -> Response:
+    response = render_error(request, error)
     response.headers["Retry-After"] = "5"
     return response
 
