@@ -143,6 +143,8 @@ class Connection(Base):
             "account_id",
             unique=True,
         ),
+        # whether another connection holds the same upstream account (a revocation's scope)
+        Index("ix_connections_provider_account", "provider", "account_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

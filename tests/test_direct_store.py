@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import pytest
 from sqlalchemy import select, text, update
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -43,6 +44,7 @@ from app.direct.records import OPEN_CHECK_CHUNK, insert_values
 from app.integration_api import services
 from app.migrate import upgrade
 from app.models import OPEN_FLOW_STATUSES, Flow, FlowStatus
+from app.tables import connections as connections_table
 
 from .support.broker import database_kind, drop_database, fresh_database
 
@@ -692,6 +694,21 @@ def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database
         "SEARCH flows USING COVERING INDEX ix_flows_owner_open "
         "(issuer=? AND subject=? AND status=? AND expires_at>?)"
     ], details
+
+
+def test_another_connection_of_an_account_is_found_from_an_index(
+    sqlite_database: Database,
+) -> None:
+    """Every removal asks whether another connection holds the same upstream account (the scope
+    of its revocation): that must not read the whole table."""
+    statement = connections_table.others_of_account(5, "github", "123")
+    sql = str(statement.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
+    with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
+        details = [row[3] for row in connection.execute("EXPLAIN QUERY PLAN " + sql)]
+    assert (
+        "SEARCH connections USING COVERING INDEX ix_connections_provider_account "
+        "(provider=? AND account_id=?)"
+    ) in details, details
 
 
 async def test_an_insert_waits_for_a_held_write_lock_off_the_event_loop(

@@ -4,7 +4,8 @@ GitHub's grant revocation ends every token of the OAuth app for that GitHub acco
 other connections (through another service, or of another user) with it. A revocation queued
 while such a connection remains now revokes its own token only (`whole_grant` false); the last
 connection of the account still revokes the whole grant. Revocations queued before keep revoking
-the whole grant, as they were queued to.
+the whole grant, as they were queued to. An index on connections (provider, account_id) finds
+the account's other connections without reading the table.
 
 Revision ID: 0011
 Revises: 0010
@@ -23,6 +24,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    op.create_index("ix_connections_provider_account", "connections", ["provider", "account_id"])
     with op.batch_alter_table("pending_revocations") as batch:
         batch.add_column(
             sa.Column("whole_grant", sa.Boolean(), nullable=False, server_default=sa.true())
@@ -32,3 +34,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("pending_revocations") as batch:
         batch.drop_column("whole_grant")
+    op.drop_index("ix_connections_provider_account", table_name="connections")
