@@ -95,7 +95,7 @@ class _Guard:
                 self._header_timer = None
         elif starts_request and self._between_requests():
             self._arm()
-        if len(getattr(self, "pipeline", ())) > MAX_PIPELINED:
+        if self._queued() > MAX_PIPELINED:
             self.transport.abort()  # requests queued faster than their answers are read
             return
         self._watch_body()
@@ -124,6 +124,11 @@ class _Guard:
         """Whether a request's headers have begun and are not complete. h11 bounds their size
         itself (16 KiB, then 400): only httptools needs counting (GuardedHttpToolsProtocol)."""
         return False
+
+    def _queued(self) -> int:
+        """Requests parsed and waiting behind the one being answered. h11 parses one at a time
+        (the rest stays unread): only httptools queues them (GuardedHttpToolsProtocol)."""
+        return 0
 
     def _too_many_header_bytes(self, received: int) -> bool:
         """Count `received` bytes towards the arriving headers; past MAX_HEADER_BYTES answer
@@ -197,6 +202,9 @@ if HttpToolsProtocol is not None:
 
         def _headers_arriving(self) -> bool:
             return self._reading_headers
+
+        def _queued(self) -> int:
+            return len(self.pipeline)
 
 
 def guarded_protocol(
