@@ -83,8 +83,8 @@ class Flow(Base):
     __tablename__ = "flows"
     __table_args__ = (
         Index("ix_flows_status_expires_at", "status", "expires_at"),
-        # the open-flow cap per user counts from this index alone
-        Index("ix_flows_owner_open", "issuer", "subject", "status", "expires_at"),
+        # the open-flow cap per user and audience counts from this index alone
+        Index("ix_flows_owner_open", "issuer", "subject", "audience", "status", "expires_at"),
         # only flows waiting at an OAuth provider have a state digest: NULLs are not indexed
         Index(
             "uq_flows_state_digest",

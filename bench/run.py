@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from app.auth.bearer import CACHE_SIZE as TOKEN_CACHE_SIZE
-from app.connect.service import MAX_OPEN_FLOWS_PER_USER
+from app.connect.service import MAX_OPEN_FLOWS
 from bench.pool import PoolError, TokenMinter
 from bench.report import Row, table
 from bench.scenarios import ROUND1_USERS, Bench, Block, Server
@@ -123,7 +123,7 @@ def round1_user_count(args: argparse.Namespace) -> int:
     more than the broker's verified-token cache holds: round1 measures cached tokens (more users
     would cycle the cache and check a signature on every request, which is round1-fresh)."""
     flows: int = PEAK_RATE_GUESS * (args.duration + args.warmup)
-    return min(TOKEN_CACHE_SIZE, max(2000, math.ceil(flows / (MAX_OPEN_FLOWS_PER_USER // 2))))
+    return min(TOKEN_CACHE_SIZE, max(2000, math.ceil(flows / (MAX_OPEN_FLOWS // 2))))
 
 
 def run(args: argparse.Namespace, workdir: Path) -> tuple[list[Row], list[str]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.connect.service import MAX_OPEN_FLOWS_PER_USER
+from app.connect.service import MAX_OPEN_FLOWS
 from bench.pool import (
     CredentialPreparation,
     RetryPreparation,
@@ -239,7 +239,7 @@ class Block:
         self._note(
             f"{name}: {after - before} flows created (warm-ups + runs) by {users} users; "
             f"{measured.wrk.requests} responses measured, {refused} not input_required; "
-            f"at most {most} open flows for one user (cap {MAX_OPEN_FLOWS_PER_USER})"
+            f"at most {most} open flows for one user (cap {MAX_OPEN_FLOWS})"
             + (" <- the open-flow cap interfered" if refused else "")
         )
 

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 
 from app.auth.principal import Principal
 from app.connect import service as flows
-from app.connect.service import MAX_OPEN_FLOWS_PER_USER
+from app.connect.service import MAX_OPEN_FLOWS
 from app.db import create_engine, create_sessionmaker
 from app.migrate import upgrade
 from app.models import OPEN_FLOW_STATUSES, Connection, Flow, FlowStatus
@@ -66,7 +66,7 @@ async def test_seeded_rows_are_counted_spread_and_survive_the_housekeeping(
     assert (flow_count, ids) == (1000, 1000)
     assert by_status == {str(status): 250 for status in seeding.CYCLE}
     assert users == 1000 // FLOWS_PER_USER
-    assert most_open is not None and 0 < most_open < MAX_OPEN_FLOWS_PER_USER
+    assert most_open is not None and 0 < most_open < MAX_OPEN_FLOWS
     assert (connection_count, connected) == (150, 150)
     # flow n belongs to user n // FLOWS_PER_USER; its status cycles: pending, completed, …
     assert expired is not None and pending is not None

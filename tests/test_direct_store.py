@@ -28,7 +28,7 @@ from app import credentials
 from app.auth.principal import McpCaller, Principal
 from app.clock import utcnow
 from app.connect import service as flows
-from app.connect.service import MAX_OPEN_FLOWS_PER_USER, TooManyOpenFlows
+from app.connect.service import MAX_OPEN_FLOWS, TooManyOpenFlows
 from app.crypto import Keyring, generate_key
 from app.db import create_engine, create_sessionmaker
 from app.direct import (
@@ -43,7 +43,7 @@ from app.direct import sqlite as sqlite_store
 from app.direct.records import OPEN_CHECK_CHUNK, insert_values
 from app.integration_api import services
 from app.migrate import upgrade
-from app.models import OPEN_FLOW_STATUSES, Flow, FlowStatus
+from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, Flow, FlowStatus
 from app.tables import connections as connections_table
 
 from .support.broker import database_kind, drop_database, fresh_database
@@ -86,7 +86,9 @@ def caller(subject: str) -> McpCaller:
     return McpCaller(principal=Principal(ISSUER, subject), client_id="c1", scopes=frozenset())
 
 
-async def start_flow(store: DirectStore, subject: str, ttl_seconds: int = 600) -> flows.FlowView:
+async def start_flow(
+    store: DirectStore, subject: str, ttl_seconds: int = 600, audience: str = BROKER_AUDIENCE
+) -> flows.FlowView:
     return await flows.create(
         store,
         caller=caller(subject),
@@ -96,6 +98,7 @@ async def start_flow(store: DirectStore, subject: str, ttl_seconds: int = 600) -
         tool_name="connect_account",
         args_digest="d" * 64,
         ttl_seconds=ttl_seconds,
+        audience=audience,
     )
 
 
@@ -249,7 +252,7 @@ async def test_still_open_names_the_open_flows_among_any_number_of_ids(
 async def test_the_open_flow_cap_counts_every_open_status_and_only_unexpired_flows(
     database: Database,
 ) -> None:
-    started = [await start_flow(database.store, "carol") for _ in range(MAX_OPEN_FLOWS_PER_USER)]
+    started = [await start_flow(database.store, "carol") for _ in range(MAX_OPEN_FLOWS)]
     async with database.sessions.begin() as session:  # an open flow further along still counts
         assert await flows.transition(
             session,
@@ -275,8 +278,21 @@ async def test_the_open_flow_cap_counts_every_open_status_and_only_unexpired_flo
         await start_flow(database.store, "carol")
 
 
+async def test_the_open_flow_cap_is_per_audience(database: Database) -> None:
+    """A sibling service that leaves a user's links open uses up its own places only."""
+    for _ in range(MAX_OPEN_FLOWS):
+        await start_flow(database.store, "fay", audience="sibling")
+    with pytest.raises(TooManyOpenFlows):
+        await start_flow(database.store, "fay", audience="sibling")
+
+    mine = await start_flow(database.store, "fay")
+    other = await start_flow(database.store, "fay", audience="another-sibling")
+
+    assert (mine.audience, other.audience) == (BROKER_AUDIENCE, "another-sibling")
+
+
 async def test_expired_flows_do_not_count_against_the_cap(database: Database) -> None:
-    for _ in range(MAX_OPEN_FLOWS_PER_USER):
+    for _ in range(MAX_OPEN_FLOWS):
         await start_flow(database.store, "erin", ttl_seconds=-1)
 
     fresh = await start_flow(database.store, "erin")
@@ -530,16 +546,21 @@ async def test_a_value_the_database_refuses_fails_only_its_own_call(database: Da
 
 
 async def test_the_open_flow_cap_holds_among_concurrent_inserts(database: Database) -> None:
-    attempts = [*(["nina"] * (MAX_OPEN_FLOWS_PER_USER + 5)), "omar", "omar", "omar"]
+    attempts = [
+        *([("nina", BROKER_AUDIENCE)] * (MAX_OPEN_FLOWS + 5)),
+        *([("nina", "sibling")] * 3),  # in the same batch, under another audience
+        *([("omar", BROKER_AUDIENCE)] * 3),
+    ]
 
     results = await asyncio.gather(
-        *(start_flow(database.store, subject) for subject in attempts), return_exceptions=True
+        *(start_flow(database.store, subject, audience=audience) for subject, audience in attempts),
+        return_exceptions=True,
     )
 
-    nina, omar = results[: MAX_OPEN_FLOWS_PER_USER + 5], results[-3:]
-    assert sum(isinstance(result, flows.FlowView) for result in nina) == MAX_OPEN_FLOWS_PER_USER
+    nina, others = results[: MAX_OPEN_FLOWS + 5], results[MAX_OPEN_FLOWS + 5 :]
+    assert sum(isinstance(result, flows.FlowView) for result in nina) == MAX_OPEN_FLOWS
     assert sum(isinstance(result, TooManyOpenFlows) for result in nina) == 5
-    assert all(isinstance(result, flows.FlowView) for result in omar)
+    assert all(isinstance(result, flows.FlowView) for result in others)
     for result in results:
         if isinstance(result, flows.FlowView):
             assert await flows.read_for(
@@ -692,7 +713,7 @@ def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database
     searches = [detail for detail in details if detail.startswith("SEARCH flows")]
     assert searches == [
         "SEARCH flows USING COVERING INDEX ix_flows_owner_open "
-        "(issuer=? AND subject=? AND status=? AND expires_at>?)"
+        "(issuer=? AND subject=? AND audience=? AND status=? AND expires_at>?)"
     ], details
 
 

@@ -26,14 +26,14 @@ from app.direct import ConnectionRecord, DirectStore, FlowRecord, NewFlow
 from app.models import BROKER_AUDIENCE, DONE_FLOW_STATUSES, OPEN_FLOW_STATUSES, Flow, FlowStatus
 from app.tables import flows as flows_table
 
-MAX_OPEN_FLOWS_PER_USER = 20
+MAX_OPEN_FLOWS = 20  # unfinished flows per user and audience (app/tables/flows.py)
 PURGE_AFTER = timedelta(days=1)
 EXCHANGE_LEASE = timedelta(seconds=60)
 PURGE_CHUNK = 1000  # rows per sweeper statement: tens of milliseconds, on either database
 
 
 class TooManyOpenFlows(Exception):
-    """The user already has the maximum number of unfinished connect links."""
+    """The user already has the maximum number of unfinished connect links for the audience."""
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ async def create(
     """Start a flow for the caller (the hot path: one statement, straight through the driver).
 
     Raises:
-        TooManyOpenFlows: the caller has too many unfinished flows.
+        TooManyOpenFlows: the caller has too many unfinished flows for `audience`.
     """
     now = utcnow()
     flow = NewFlow(
@@ -127,7 +127,7 @@ async def create(
         expires_at=now + timedelta(seconds=ttl_seconds),
         request_id=request_id.current.get(),
     )
-    inserted = await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS_PER_USER)
+    inserted = await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS)
     if not inserted:
         raise TooManyOpenFlows()
     return FlowView(

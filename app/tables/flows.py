@@ -69,12 +69,19 @@ def is_open() -> ColumnElement[bool]:
     return Flow.status.in_([inline(status) for status in OPEN_FLOW_STATUSES])
 
 
-def _open_count(issuer: Any, subject: Any, now: Any, cap: Any) -> ColumnElement[int]:
-    """How many unexpired open flows the owner has, counted up to `cap` from the owner index
-    alone."""
+def _open_count(issuer: Any, subject: Any, audience: Any, now: Any, cap: Any) -> ColumnElement[int]:
+    """How many unexpired open flows the owner has for `audience`, counted up to `cap` from the
+    owner index alone. Per audience: a sibling service's flows never use up the places of the
+    user's MCP client, nor another service's."""
     found = (
         select(inline(1))
-        .where(Flow.issuer == issuer, Flow.subject == subject, is_open(), Flow.expires_at > now)
+        .where(
+            Flow.issuer == issuer,
+            Flow.subject == subject,
+            Flow.audience == audience,
+            is_open(),
+            Flow.expires_at > now,
+        )
         .limit(cap)
         .correlate_except(Flow)  # a subquery in FROM: the owner comes from the outer statement
     )
@@ -100,17 +107,18 @@ def _insert_capped(
 
 def insert_one() -> Insert:
     """A new flow (bound by column, and `max_open`), unless its owner has `max_open` unexpired
-    open flows already."""
+    open flows for its audience already."""
     new: dict[str, Any] = {name: bindparam(name, type_=Text) for name in NEW_TEXTS}
     new |= {name: bindparam(name, type_=UtcDateTime()) for name in NEW_TIMES}
     cap = bindparam("max_open", type_=Integer)
-    opened = _open_count(new["issuer"], new["subject"], new["created_at"], cap)
+    opened = _open_count(new["issuer"], new["subject"], new["audience"], new["created_at"], cap)
     return _insert_capped(new, opened < cap)
 
 
 def insert_many() -> Insert:
-    """`insert_one` for arrays (one entry per call), counting the flows of the same owner earlier
-    in the arrays as open too; RETURNING the flows inserted (what their audit events need)."""
+    """`insert_one` for arrays (one entry per call), counting the flows of the same owner and
+    audience earlier in the arrays as open too; RETURNING the flows inserted (what their audit
+    events need)."""
     texts = [bindparam(name, type_=ARRAY(Text)) for name in NEW_TEXTS]
     times = [bindparam(name, type_=ARRAY(UtcDateTime())) for name in NEW_TIMES]
     caps = bindparam("max_open", type_=ARRAY(Integer))
@@ -120,23 +128,25 @@ def insert_many() -> Insert:
         .table_valued(*names, with_ordinality="pos")
         .render_derived(name="n")
     )
+    owner = ("issuer", "subject", "audience")
     owners = (
-        func.unnest(texts[1], texts[2])
-        .table_valued("issuer", "subject", with_ordinality="pos")
+        func.unnest(*(texts[NEW_TEXTS.index(name)] for name in owner))
+        .table_valued(*owner, with_ordinality="pos")
         .render_derived(name="e")
     )
     earlier = (
         select(func.count())
         .select_from(owners)
         .where(
-            owners.c.issuer == calls.c.issuer,
-            owners.c.subject == calls.c.subject,
+            *(owners.c[name] == calls.c[name] for name in owner),
             owners.c.pos < calls.c.pos,
         )
         .scalar_subquery()
     )
     new = {name: calls.c[name] for name in names}
-    opened = _open_count(calls.c.issuer, calls.c.subject, calls.c.created_at, calls.c.max_open)
+    opened = _open_count(
+        calls.c.issuer, calls.c.subject, calls.c.audience, calls.c.created_at, calls.c.max_open
+    )
     allowed = opened + earlier < calls.c.max_open
     inserted = _insert_capped(new, allowed, calls)
     return inserted.returning(

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.connect.require import TOO_MANY_OPEN_FLOWS
-from app.connect.service import MAX_OPEN_FLOWS_PER_USER
+from app.connect.service import MAX_OPEN_FLOWS
 from app.db import create_engine
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
@@ -316,13 +316,35 @@ async def test_too_many_open_links_is_refused_with_the_same_text(
     """A user with the maximum of unfinished links gets no new one, told the same thing."""
     runs = []
     for surface in await surfaces("too-many"):
-        opened = [await surface.require("demo") for _ in range(MAX_OPEN_FLOWS_PER_USER)]
+        opened = [await surface.require("demo") for _ in range(MAX_OPEN_FLOWS)]
         refused = await surface.require("demo")
         flows = await count_rows(db, "flows", subject=surface.subject)
         runs.append(({decision.kind for decision in opened}, refused, flows))
 
-    expected = ({"elicit"}, Decision("refused", TOO_MANY_OPEN_FLOWS), MAX_OPEN_FLOWS_PER_USER)
+    expected = ({"elicit"}, Decision("refused", TOO_MANY_OPEN_FLOWS), MAX_OPEN_FLOWS)
     assert runs[0] == runs[1] == expected
+
+
+async def test_a_services_open_links_leave_the_users_own_places(
+    broker: BrokerProcess, service: Registered, idp: IdpProcess, mcp: McpHttp, token_for: Any
+) -> None:
+    """The cap counts per audience: a sibling service that leaves the maximum of links open for
+    a user refuses its next one, and the user's own client still gets a link."""
+    subject = unique("capped-by-service")
+    api = ServiceApi(broker.url, service)
+    browser = Browser(broker.url)
+    try:
+        through_service = ApiSurface(api, idp.issuer, subject, browser)
+        opened = [await through_service.require("demo") for _ in range(MAX_OPEN_FLOWS)]
+        refused = await through_service.require("demo")
+        own = await McpSurface(mcp, token_for(subject), subject, browser).require("demo")
+    finally:
+        await api.aclose()
+        await browser.aclose()
+
+    assert {decision.kind for decision in opened} == {"elicit"}
+    assert refused == Decision("refused", TOO_MANY_OPEN_FLOWS)
+    assert own.kind == "elicit"
 
 
 @pytest.mark.parametrize("action", ["decline", "cancel"])
