@@ -1,7 +1,8 @@
 -- wrk script for bench/run.py: one MCP tools/call POST per request, rotating over a pool.
 --
 -- usage: wrk -t1 -c32 -d10s --latency -s bench/mcp.lua http://127.0.0.1:PORT/mcp -- POOL EXPECT [PAUSE]
---   POOL   a file of "<bearer token>\t<JSON body>" lines (written by bench/pool.py)
+--   POOL   a file of "<bearer token>\t<JSON body>" lines (written by bench/pool.py); a body
+--          holding "@N@" gets the request's number there, so each request is a call of its own
 --   EXPECT text every 2xx response body must contain ("-" checks nothing)
 --   PAUSE  milliseconds each connection waits after an answer before its next request (default
 --          0: closed loop, as fast as the server answers)
@@ -11,6 +12,7 @@ local threads = {}
 
 function setup(thread)
   table.insert(threads, thread)
+  thread:set("thread_number", #threads)  -- keeps the numbers of two wrk threads apart
 end
 
 local function format_request(token, body)
@@ -26,10 +28,16 @@ end
 
 function init(args)
   prepared = {}
+  numbered = {}
   for line in io.lines(args[1]) do
     local token, body = line:match("^([^\t]+)\t(.+)$")
+    if body:find("@N@", 1, true) then
+      numbered[#prepared + 1] = {token, body}
+    end
     prepared[#prepared + 1] = format_request(token, body)
   end
+  -- a run of its own: the warm-up's numbers are not the measured run's
+  run = string.format("%d%06d", os.time(), math.floor(os.clock() * 1e6) % 1000000)
   expected = args[2] ~= "-" and args[2] or nil
   pool = #prepared
   issued = 0
@@ -44,7 +52,13 @@ end
 
 function request()
   issued = issued + 1
-  return prepared[(issued - 1) % pool + 1]
+  local line = (issued - 1) % pool + 1
+  local call = numbered[line]
+  if call then
+    local number = string.format("%s-%d-%d", run, thread_number, issued)
+    return format_request(call[1], (call[2]:gsub("@N@", number, 1)))
+  end
+  return prepared[line]
 end
 
 function response(status, headers, body)

@@ -73,9 +73,17 @@ class TokenMinter:
 LIST_BODY = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": META}}
 
 
-def call_body(request_state: str | None = None) -> dict[str, Any]:
-    """The canonical connect_account request; with `request_state`, its accepted retry."""
-    params: dict[str, Any] = {"name": TOOL, "arguments": {"provider": "demo"}, "_meta": META}
+CALL_NUMBER = "@N@"  # bench/mcp.lua puts the request's number here
+
+
+def call_body(request_state: str | None = None, *, numbered: bool = False) -> dict[str, Any]:
+    """The canonical connect_account request; with `request_state`, its accepted retry.
+    `numbered`: each request wrk sends is a call of its own (a scope named after its number,
+    which an API-key provider ignores), so none finds an open flow of the same call to reuse."""
+    arguments: dict[str, Any] = {"provider": "demo"}
+    if numbered:
+        arguments["scopes"] = [f"call-{CALL_NUMBER}"]
+    params: dict[str, Any] = {"name": TOOL, "arguments": arguments, "_meta": META}
     if request_state is not None:
         params["inputResponses"] = {INPUT_KEY: {"action": "accept"}}
         params["requestState"] = request_state

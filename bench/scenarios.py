@@ -204,7 +204,8 @@ class Block:
     def prepare_round1(self) -> Prepared:
         tokens = [token for _, token in self.bench.round1_users]
         asyncio.run(prime(self.broker.url, tokens))
-        pool = write_pool(self._file("round1"), ((token, call_body()) for token in tokens))
+        calls = ((token, call_body(numbered=True)) for token in tokens)
+        pool = write_pool(self._file("round1"), calls)
         return Prepared(pool, INPUT_REQUIRED, ANY_RESULT, before_broker=self._expire_round1_flows)
 
     def _expire_round1_flows(self) -> None:

@@ -51,6 +51,8 @@ READS: dict[str, tuple[Callable[[], Rows], str]] = {
     "find_connection_many": (connections_table.find_many, "postgresql"),
     "read_flow_one": (flows_table.read_one, "sqlite"),
     "read_flow_many": (flows_table.read_many, "postgresql"),
+    "reusable_flow_sqlite": (flows_table.reusable_one, "sqlite"),
+    "reusable_flow_postgresql": (flows_table.reusable_one, "postgresql"),
     "find_service_with_connection_one": (services_table.find_with_connection_one, "sqlite"),
     "find_service_with_connection_many": (services_table.find_with_connection_many, "postgresql"),
 }
@@ -93,6 +95,18 @@ def test_a_flow_and_its_connection_are_read_by_column_name(
     assert (connection.issuer, connection.provider) == ("issuer", "provider")
     assert connection.sealed_credential == "connection_sealed_credential"
     assert connection.expires_at == "connection_expires_at"
+
+
+@pytest.mark.parametrize("order", [same_order, reversed_columns])
+@pytest.mark.parametrize("name", ["reusable_flow_sqlite", "reusable_flow_postgresql"])
+def test_a_reusable_flow_is_read_by_column_name(name: str, order: Callable[[Rows], Rows]) -> None:
+    compiled, read = compiled_read(name, order)
+    flow = read.flow(named_row(compiled))
+    fields = [
+        *("id", "issuer", "subject", "client_id", "client_name", "audience", "provider"),
+        *("scopes", "status", "account_label", "failure", "expires_at"),
+    ]
+    assert [getattr(flow, field) for field in fields] == fields
 
 
 @pytest.mark.parametrize("order", [same_order, reversed_columns])
@@ -162,6 +176,8 @@ def test_the_stores_run_the_statements_of_the_tables() -> None:
         (sqlite_store.INSERT_FLOW, flows_table.insert_one(), "sqlite"),
         (sqlite_store.RECORD_NEW_FLOW, audit_table.for_new_flow(), "sqlite"),
         (sqlite_store.GET_FLOW_AND_CONNECTION, flows_table.read_one(), "sqlite"),
+        (sqlite_store.FIND_REUSABLE_FLOW, flows_table.reusable_one(), "sqlite"),
+        (postgres_store.FIND_REUSABLE_FLOW, flows_table.reusable_one(), "postgresql"),
         (postgres_store.FIND_CONNECTIONS, connections_table.find_many(), "postgresql"),
         (
             postgres_store.INSERT_FLOWS,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import sqlite3
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import select, text, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -43,7 +44,7 @@ from app.direct import sqlite as sqlite_store
 from app.direct.records import OPEN_CHECK_CHUNK, insert_values
 from app.integration_api import services
 from app.migrate import upgrade
-from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, Flow, FlowStatus
+from app.models import BROKER_AUDIENCE, OPEN_FLOW_STATUSES, AuditEvent, Flow, FlowStatus
 from app.tables import connections as connections_table
 
 from .support.broker import database_kind, drop_database, fresh_database
@@ -82,21 +83,29 @@ async def database(tmp_path: Path) -> AsyncIterator[Database]:
     await asyncio.to_thread(drop_database, url)
 
 
-def caller(subject: str) -> McpCaller:
-    return McpCaller(principal=Principal(ISSUER, subject), client_id="c1", scopes=frozenset())
+def caller(subject: str, client_id: str = "c1") -> McpCaller:
+    return McpCaller(principal=Principal(ISSUER, subject), client_id=client_id, scopes=frozenset())
 
 
 async def start_flow(
-    store: DirectStore, subject: str, ttl_seconds: int = 600, audience: str = BROKER_AUDIENCE
+    store: DirectStore,
+    subject: str,
+    ttl_seconds: int = 600,
+    audience: str = BROKER_AUDIENCE,
+    *,
+    args_digest: str | None = None,
+    client_id: str = "c1",
 ) -> flows.FlowView:
+    """A round 1 of `subject`: a call of its own (arguments never seen before) unless
+    `args_digest` is given."""
     return await flows.create(
         store,
-        caller=caller(subject),
+        caller=caller(subject, client_id),
         client_name="Client",
         provider="demo",
         scopes=("repo",),
         tool_name="connect_account",
-        args_digest="d" * 64,
+        args_digest=args_digest or secrets.token_hex(32),
         ttl_seconds=ttl_seconds,
         audience=audience,
     )
@@ -289,6 +298,86 @@ async def test_the_open_flow_cap_is_per_audience(database: Database) -> None:
     other = await start_flow(database.store, "fay", audience="another-sibling")
 
     assert (mine.audience, other.audience) == (BROKER_AUDIENCE, "another-sibling")
+
+
+async def test_a_repeated_call_gets_its_open_flow_again(database: Database) -> None:
+    """The same call (owner, client, audience, provider, scopes, tool, arguments) while its flow
+    is open and lasts at least half as long as a new one: that flow, no new row, no new event."""
+    first = await start_flow(database.store, "rae", args_digest="a" * 64)
+    again = await start_flow(database.store, "rae", args_digest="a" * 64)
+    async with database.sessions.begin() as session:  # one that ends too soon is not handed out
+        await session.execute(
+            update(Flow)
+            .where(Flow.id == first.id)
+            .values(expires_at=utcnow() + timedelta(seconds=200))
+        )
+    short = await start_flow(database.store, "rae", args_digest="a" * 64)
+
+    assert again == first
+    assert short.id != first.id
+    async with database.sessions() as session:
+        flows_made = await session.scalar(select(func.count()).where(Flow.subject == "rae"))
+        events = await session.scalar(
+            select(func.count()).where(
+                AuditEvent.subject == "rae", AuditEvent.event == "flow.created"
+            )
+        )
+    assert (flows_made, events) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["arguments", "client", "audience", "finished"],
+)
+async def test_another_call_or_a_finished_flow_gets_a_new_flow(
+    change: str, database: Database
+) -> None:
+    first = await start_flow(database.store, "sol", args_digest="a" * 64)
+    same: dict[str, Any] = {"args_digest": "a" * 64}
+    if change == "arguments":
+        same["args_digest"] = "b" * 64
+    elif change == "client":
+        same["client_id"] = "c2"
+    elif change == "audience":
+        same["audience"] = "sibling"
+    else:
+        async with database.sessions.begin() as session:
+            assert await flows.end_by_client(
+                session, flow_id=first.id, principal=first.principal, status=FlowStatus.declined
+            )
+
+    second = await start_flow(database.store, "sol", **same)
+
+    assert second.id != first.id
+    assert second.status == FlowStatus.pending
+
+
+async def test_a_repeated_call_is_not_refused_at_the_cap(database: Database) -> None:
+    """A call repeated by a user at the cap gets its own flow, and a new call is refused."""
+    started = [await start_flow(database.store, "ugo") for _ in range(MAX_OPEN_FLOWS)]
+    last = started[-1]
+
+    again = await flows.create(
+        database.store,
+        caller=caller("ugo"),
+        client_name="Client",
+        provider="demo",
+        scopes=("repo",),
+        tool_name="connect_account",
+        args_digest=await args_digest_of(database, last.id),
+        ttl_seconds=600,
+    )
+
+    assert again.id == last.id
+    with pytest.raises(TooManyOpenFlows):
+        await start_flow(database.store, "ugo")
+
+
+async def args_digest_of(database: Database, flow_id: str) -> str:
+    async with database.sessions() as session:
+        digest = await session.scalar(select(Flow.args_digest).where(Flow.id == flow_id))
+    assert digest is not None
+    return digest
 
 
 async def test_expired_flows_do_not_count_against_the_cap(database: Database) -> None:
@@ -703,17 +792,21 @@ def sqlite_path(url: str) -> str:
 
 
 def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database: Database) -> None:
-    """Every round 1 inserts a flow after counting the user's open ones: that count must not read
-    a table row per flow."""
+    """Every round 1 inserts a flow after counting the user's open ones, and looking among them
+    for one of the same call: the count must not read a table row per flow, and the look reads
+    the rows of the user's open flows for the audience only (at most the cap's)."""
     insert = sqlite_store.INSERT_FLOW
     values = insert.values(dict.fromkeys(insert_values(new_flow("f", "u"), 20, str), "x"))
     with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
         plan = connection.execute("EXPLAIN QUERY PLAN " + insert.sql, values)
         details = [row[3] for row in plan.fetchall()]
-    searches = [detail for detail in details if detail.startswith("SEARCH flows")]
+    searches = [detail for detail in details if detail.startswith(("SEARCH flows", "SCAN flows"))]
+    owner_open = (
+        "ix_flows_owner_open (issuer=? AND subject=? AND audience=? AND status=? AND expires_at>?)"
+    )
     assert searches == [
-        "SEARCH flows USING COVERING INDEX ix_flows_owner_open "
-        "(issuer=? AND subject=? AND audience=? AND status=? AND expires_at>?)"
+        f"SEARCH flows USING COVERING INDEX {owner_open}",
+        f"SEARCH flows USING INDEX {owner_open}",
     ], details
 
 
@@ -794,7 +887,7 @@ async def test_reads_of_one_loop_turn_share_one_read_transaction(
 
     monkeypatch.setattr(sqlite_store, "_read_all", counting)
     store = sqlite_database.store
-    started = await start_flow(store, "nina")
+    started = await start_flow(sqlite_database.store, "nina")
 
     flow, connection, service = await asyncio.gather(
         store.get_flow_and_connection(started.id),

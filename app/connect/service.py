@@ -106,7 +106,11 @@ async def create(
     ttl_seconds: int,
     audience: str = BROKER_AUDIENCE,
 ) -> FlowView:
-    """Start a flow for the caller (the hot path: one statement, straight through the driver).
+    """Start a flow for the caller (the hot path: one statement, straight through the driver),
+    or hand back the caller's open flow of the same call (client, audience, provider, scopes,
+    tool and arguments) while its link lasts at least half as long as a new one: a client that
+    repeats a call gets the same link, not one more. (Two of the same call in one loop turn may
+    each get a link on PostgreSQL, which inserts a turn's flows in one statement.)
 
     Raises:
         TooManyOpenFlows: the caller has too many unfinished flows for `audience`.
@@ -127,12 +131,21 @@ async def create(
         expires_at=now + timedelta(seconds=ttl_seconds),
         request_id=request_id.current.get(),
     )
-    inserted = await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS)
-    if not inserted:
-        raise TooManyOpenFlows()
+    # Not inserted: the caller has a flow to reuse, or too many. A flow to reuse that ended
+    # between the insert and the read leaves a place, so the insert gets one more try.
+    for _ in range(2):
+        if await store.insert_flow(flow, max_open=MAX_OPEN_FLOWS):
+            return _new_view(flow, caller.principal, scopes)
+        reused = await store.find_reusable_flow(flow)
+        if reused is not None:
+            return _view(reused)
+    raise TooManyOpenFlows()
+
+
+def _new_view(flow: NewFlow, principal: Principal, scopes: tuple[str, ...]) -> FlowView:
     return FlowView(
         id=flow.id,
-        principal=caller.principal,
+        principal=principal,
         client_id=flow.client_id,
         client_name=flow.client_name,
         audience=flow.audience,

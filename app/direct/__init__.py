@@ -7,7 +7,8 @@ it costs tens of microseconds. So these statements, and only these, bypass the O
 
     find_connection  the default account's sealed credential for (issuer, subject, provider,
                      audience), and how many accounts the user holds there
-    insert_flow      a new connect flow, unless the user already has too many open ones
+    insert_flow      a new connect flow, unless the user already has too many open ones, or
+                     an open one of the same call to reuse
     get_flow_and_connection
                      a flow by id, with its owner's connection for its provider (MCP retries,
                      the integration API's resume, and the bounded wait)

@@ -74,10 +74,12 @@ DIALECT = DroppingAsyncpgDialect()  # type: ignore[no-untyped-call]
 FIND_CONNECTIONS = Compiled(connections.find_many(), DIALECT)
 INSERT_FLOWS = Compiled(audit.with_new_flows(flows.insert_many()), DIALECT)  # + their events
 GET_FLOWS_AND_CONNECTIONS = Compiled(flows.read_many(), DIALECT)
+FIND_REUSABLE_FLOW = Compiled(flows.reusable_one(), DIALECT)  # one call each: seldom needed
 OPEN_AMONG = Compiled(flows.open_among(), DIALECT, expand={"ids": OPEN_CHECK_CHUNK})
 FIND_SERVICES_AND_OWN_CONNECTIONS = Compiled(services.find_with_connection_many(), DIALECT)
 READ_CONNECTIONS = RowReader(FIND_CONNECTIONS, as_given)
 READ_FLOWS = RowReader(GET_FLOWS_AND_CONNECTIONS, as_given)
+READ_REUSABLE_FLOW = RowReader(FIND_REUSABLE_FLOW, as_given)
 READ_SERVICES = RowReader(FIND_SERVICES_AND_OWN_CONNECTIONS, as_given)
 CALL = FIND_CONNECTIONS.columns["n"]
 SERVICE_CALL = FIND_SERVICES_AND_OWN_CONNECTIONS.columns["n"]
@@ -177,6 +179,12 @@ class PostgresStore:
         rows = await self._run(lambda c: c.fetch(statement.sql, *statement.values(params)))
         inserted = {row["id"] for row in rows}
         return [flow.id in inserted for flow, _ in batch]
+
+    async def find_reusable_flow(self, flow: NewFlow) -> FlowRecord | None:
+        statement = FIND_REUSABLE_FLOW
+        values = statement.values(insert_values(flow, 0, as_given))
+        row = await self._run(lambda c: c.fetchrow(statement.sql, *values))
+        return READ_REUSABLE_FLOW.flow(row) if row is not None else None
 
     async def get_flow_and_connection(
         self, flow_id: str

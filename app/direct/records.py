@@ -118,11 +118,15 @@ class RowReader:
             accounts=accounts,
         )
 
-    def flow_and_connection(self, row: Row) -> tuple[FlowRecord, ConnectionRecord | None]:
-        """The flow, and its owner's connection for its provider and audience, if any."""
+    def flow(self, row: Row) -> FlowRecord:
         assert self._flow is not None
         flow = FlowRecord(*self._flow(row))  # FLOW_COLUMNS are its fields, in order
         flow.expires_at = self._time(flow.expires_at)  # as the driver gave it, until here
+        return flow
+
+    def flow_and_connection(self, row: Row) -> tuple[FlowRecord, ConnectionRecord | None]:
+        """The flow, and its owner's connection for its provider and audience, if any."""
+        flow = self.flow(row)
         key = (flow.issuer, flow.subject, flow.provider, flow.audience)
         return flow, self.connection(key, row)
 
@@ -159,7 +163,9 @@ class NewFlow:
 
 
 def insert_values(flow: NewFlow, max_open: int, time: Callable[[datetime], Any]) -> dict[str, Any]:
-    """The parameters of the tables' flow insert for `flow`, times as `time` makes them."""
+    """The parameters of the tables' flow insert for `flow`, times as `time` makes them. An open
+    flow of the same call is reused while its link lasts at least half as long as `flow`'s."""
+    reuse_after = flow.created_at + (flow.expires_at - flow.created_at) / 2
     return {
         "id": flow.id,
         "issuer": flow.issuer,
@@ -173,6 +179,7 @@ def insert_values(flow: NewFlow, max_open: int, time: Callable[[datetime], Any])
         "args_digest": flow.args_digest,
         "created_at": time(flow.created_at),
         "expires_at": time(flow.expires_at),
+        "reuse_after": time(reuse_after),
         "max_open": max_open,
     }
 
@@ -202,7 +209,13 @@ class DirectStore(Protocol):
 
     async def insert_flow(self, flow: NewFlow, *, max_open: int) -> bool:
         """Insert `flow` unless its owner has `max_open` unexpired open flows (pending,
-        authorizing or exchanging); True if inserted."""
+        authorizing or exchanging) for its audience, or an open flow of the same call to reuse
+        (`find_reusable_flow`); True if inserted."""
+        ...
+
+    async def find_reusable_flow(self, flow: NewFlow) -> FlowRecord | None:
+        """The owner's open flow of the same call as `flow` that `insert_flow` would reuse
+        instead of inserting `flow` (the one lasting longest), if any."""
         ...
 
     async def get_flow_and_connection(

@@ -82,6 +82,7 @@ _DATABASE_FILES_LOCK = threading.Lock()
 DIALECT = sqlite.dialect()
 FIND_CONNECTION = Compiled(connections.find_one(), DIALECT)
 INSERT_FLOW = Compiled(flows.insert_one(), DIALECT)
+FIND_REUSABLE_FLOW = Compiled(flows.reusable_one(), DIALECT)
 RECORD_NEW_FLOW = Compiled(audit.for_new_flow(), DIALECT)
 GET_FLOW_AND_CONNECTION = Compiled(flows.read_one(), DIALECT)
 OPEN_AMONG = Compiled(flows.open_among(), DIALECT, expand={"ids": OPEN_CHECK_CHUNK})
@@ -97,6 +98,7 @@ def read_time(value: str) -> datetime:
 
 READ_CONNECTION = RowReader(FIND_CONNECTION, read_time)
 READ_FLOW = RowReader(GET_FLOW_AND_CONNECTION, read_time)
+READ_REUSABLE_FLOW = RowReader(FIND_REUSABLE_FLOW, read_time)
 
 
 @functools.cache
@@ -326,6 +328,12 @@ class SqliteStore:
         event = RECORD_NEW_FLOW.values({"id": flow.id, "request_id": flow.request_id})
         write = _Statement(INSERT_FLOW.sql, values, _Statement(RECORD_NEW_FLOW.sql, event))
         return await self._write(write) == 1
+
+    async def find_reusable_flow(self, flow: NewFlow) -> FlowRecord | None:
+        statement = FIND_REUSABLE_FLOW
+        values = statement.values(insert_values(flow, 0, stored_time))
+        row = await self._read(statement.sql, values)
+        return READ_REUSABLE_FLOW.flow(row) if row is not None else None
 
     async def get_flow_and_connection(
         self, flow_id: str

@@ -34,9 +34,16 @@ def local(url: str) -> str:
     return f"{parts.path}?{parts.query}" if parts.query else parts.path
 
 
-async def start_connect(mcp: McpHttp, token: str, provider: str = "demo") -> dict[str, Any]:
-    """Round 1 of `connect_account`: the InputRequiredResult (validated against the schema)."""
-    response = await mcp.call_tool(token, "connect_account", {"provider": provider})
+async def start_connect(
+    mcp: McpHttp, token: str, provider: str = "demo", *, call: str | None = None
+) -> dict[str, Any]:
+    """Round 1 of `connect_account`: the InputRequiredResult (validated against the schema).
+    `call`: a call of its own (a scope by that name, which an API-key provider ignores), so the
+    user's open link of the plain call is not handed out again."""
+    arguments: dict[str, Any] = {"provider": provider}
+    if call is not None:
+        arguments["scopes"] = [call]
+    response = await mcp.call_tool(token, "connect_account", arguments)
     assert response.status_code == 200, response.text
     body = response.json()
     validate_response(body, "InputRequiredResult")
@@ -44,9 +51,12 @@ async def start_connect(mcp: McpHttp, token: str, provider: str = "demo") -> dic
     return result
 
 
-async def open_flow(mcp: McpHttp, token: str, provider: str = "demo") -> str:
-    """The id of the flow a fresh `connect_account` elicitation points at."""
-    return flow_id_from(await start_connect(mcp, token, provider))[1]
+async def open_flow(
+    mcp: McpHttp, token: str, provider: str = "demo", *, call: str | None = None
+) -> str:
+    """The id of the flow a `connect_account` elicitation points at (`call`: see
+    `start_connect`)."""
+    return flow_id_from(await start_connect(mcp, token, provider, call=call))[1]
 
 
 async def submit_key(browser: Browser, flow_id: str, key: str, **extra: str) -> httpx2.Response:

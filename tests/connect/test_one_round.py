@@ -73,8 +73,15 @@ class Surface(Protocol):
     browser: Browser
 
     async def require(
-        self, provider: str, scopes: tuple[str, ...] = (), capabilities: Any = URL_CAPS
-    ) -> Decision: ...
+        self,
+        provider: str,
+        scopes: tuple[str, ...] = (),
+        capabilities: Any = URL_CAPS,
+        call: str = "",
+    ) -> Decision:
+        """`call`: names the client's call (its arguments on `/mcp`, the sibling's request
+        digest on the API): a repeated call is handed the user's open link of that call."""
+        ...
 
     async def resume(
         self, elicited: Decision, action: str, capabilities: Any = URL_CAPS
@@ -88,9 +95,17 @@ class McpSurface:
         self.mcp, self.token, self.subject, self.browser = mcp, token, subject, browser
 
     async def require(
-        self, provider: str, scopes: tuple[str, ...] = (), capabilities: Any = URL_CAPS
+        self,
+        provider: str,
+        scopes: tuple[str, ...] = (),
+        capabilities: Any = URL_CAPS,
+        call: str = "",
     ) -> Decision:
-        arguments = {"provider": provider, **({"scopes": list(scopes)} if scopes else {})}
+        arguments: dict[str, Any] = {"provider": provider}
+        if scopes:
+            arguments["scopes"] = list(scopes)
+        if call:  # a scope of its own, which an API-key provider ignores
+            arguments["scopes"] = [*scopes, call]
         response = await self.mcp.call_tool(
             self.token, "connect_account", arguments, capabilities=capabilities
         )
@@ -142,17 +157,26 @@ class ApiSurface:
         self.user = {"issuer": issuer, "subject": subject}
 
     async def require(
-        self, provider: str, scopes: tuple[str, ...] = (), capabilities: Any = URL_CAPS
+        self,
+        provider: str,
+        scopes: tuple[str, ...] = (),
+        capabilities: Any = URL_CAPS,
+        call: str = "",
     ) -> Decision:
         response = await self.api.require(
-            provider, self.user, scopes=list(scopes), client_capabilities=capabilities
+            provider,
+            self.user,
+            scopes=list(scopes),
+            client_capabilities=capabilities,
+            **({"request_digest": call} if call else {}),
         )
-        return self._decision(response, provider, scopes)
+        return self._decision(response, provider, scopes, call)
 
     async def resume(
         self, elicited: Decision, action: str, capabilities: Any = URL_CAPS
     ) -> Decision:
         provider, scopes = elicited.retry["provider"], elicited.retry["scopes"]
+        call = elicited.retry["call"]
         response = await self.api.resume(
             provider,
             self.user,
@@ -160,11 +184,14 @@ class ApiSurface:
             {"action": action},
             scopes=list(scopes),
             client_capabilities=capabilities,
+            **({"request_digest": call} if call else {}),
         )
-        return self._decision(response, provider, scopes)
+        return self._decision(response, provider, scopes, call)
 
     @staticmethod
-    def _decision(response: httpx2.Response, provider: str, scopes: tuple[str, ...]) -> Decision:
+    def _decision(
+        response: httpx2.Response, provider: str, scopes: tuple[str, ...], call: str
+    ) -> Decision:
         assert response.status_code == 200, response.text
         body = response.json()
         status = body["status"]
@@ -178,7 +205,8 @@ class ApiSurface:
             wire = {"jsonrpc": "2.0", "id": 1, "result": {"resultType": status, **result}}
             validate_response(wire, "InputRequiredResult")
             _, flow_id = flow_id_from(result)
-            retry = {"provider": provider, "scopes": scopes, "state": body["requestState"]}
+            state = body["requestState"]
+            retry = {"provider": provider, "scopes": scopes, "call": call, "state": state}
             return Decision("elicit", flow_id=flow_id, retry=retry)
         if status == "missing_capability":
             assert body == {"status": status, "requiredCapabilities": URL_CAPABILITY}
@@ -313,16 +341,39 @@ async def test_a_retry_without_url_elicitation_is_not_asked_the_url_again(
 async def test_too_many_open_links_is_refused_with_the_same_text(
     surfaces: MakeSurfaces, db: AsyncEngine
 ) -> None:
-    """A user with the maximum of unfinished links gets no new one, told the same thing."""
+    """A user with the maximum of unfinished links gets no new one, told the same thing; a
+    call already open still gets its link."""
     runs = []
     for surface in await surfaces("too-many"):
-        opened = [await surface.require("demo") for _ in range(MAX_OPEN_FLOWS)]
-        refused = await surface.require("demo")
+        opened = [await surface.require("demo", call=f"call-{n}") for n in range(MAX_OPEN_FLOWS)]
+        refused = await surface.require("demo", call="one-more")
+        again = await surface.require("demo", call="call-0")  # a call already open
         flows = await count_rows(db, "flows", subject=surface.subject)
-        runs.append(({decision.kind for decision in opened}, refused, flows))
+        same_link = again.flow_id == opened[0].flow_id
+        runs.append(({decision.kind for decision in opened}, refused, same_link, flows))
 
-    expected = ({"elicit"}, Decision("refused", TOO_MANY_OPEN_FLOWS), MAX_OPEN_FLOWS)
+    expected = ({"elicit"}, Decision("refused", TOO_MANY_OPEN_FLOWS), True, MAX_OPEN_FLOWS)
     assert runs[0] == runs[1] == expected
+
+
+async def test_a_repeated_call_is_handed_the_same_link(
+    surfaces: MakeSurfaces, db: AsyncEngine
+) -> None:
+    """The same call again while its link is open gets that link (one flow, one URL), with a
+    state of its own that resumes it; another call gets a link of its own."""
+    runs = []
+    for surface in await surfaces("same-call"):
+        first = await surface.require("demo", call="list-issues")
+        again = await surface.require("demo", call="list-issues")
+        other = await surface.require("demo", call="list-pulls")
+        await submit_api_key(surface.browser, surface.subject, first.flow_id or "")
+        resumed = await surface.resume(again, "accept")
+        flows = await count_rows(db, "flows", subject=surface.subject)
+        runs.append(
+            (again.flow_id == first.flow_id, other.flow_id != first.flow_id, resumed, flows)
+        )
+
+    assert runs[0] == runs[1] == (True, True, CONNECTED, 2)
 
 
 async def test_a_services_open_links_leave_the_users_own_places(
@@ -335,8 +386,10 @@ async def test_a_services_open_links_leave_the_users_own_places(
     browser = Browser(broker.url)
     try:
         through_service = ApiSurface(api, idp.issuer, subject, browser)
-        opened = [await through_service.require("demo") for _ in range(MAX_OPEN_FLOWS)]
-        refused = await through_service.require("demo")
+        opened = [
+            await through_service.require("demo", call=f"call-{n}") for n in range(MAX_OPEN_FLOWS)
+        ]
+        refused = await through_service.require("demo", call="one-more")
         own = await McpSurface(mcp, token_for(subject), subject, browser).require("demo")
     finally:
         await api.aclose()

@@ -440,7 +440,9 @@ async def test_h2_every_html_response_carries_the_security_headers(
 ) -> None:
     """H2. CSP, anti-framing, no referrer, no caching, HSTS: on success and error pages alike."""
     user = unique("alice-h2")
-    open_id, done_id, expired_id = [await open_flow(mcp, token_for(user)) for _ in range(3)]
+    open_id, done_id, expired_id = [
+        await open_flow(mcp, token_for(user), call=call) for call in ("open", "done", "expired")
+    ]
     await browser.login_as(user)
     await second_browser.login_as(unique("bob-h2"))
     await submit_key(browser, done_id, KEY)

@@ -257,7 +257,8 @@ async def test_c3_state_older_than_its_ttl_is_refused_as_expired(
     mcp: McpHttp, token_for: Any, idp: IdpProcess, broker: BrokerProcess, db: AsyncEngine
 ) -> None:
     """C3. A state is verified with max_age = the flow TTL; one second past it the answer is
-    -32602 with reason "expired", and a fresh call without state starts over."""
+    -32602 with reason "expired", and a fresh call without state starts over: with a fresh
+    state, for the user's link of the same call, still open."""
     user = fresh_user("c3")
     token = token_for(user)
     _, _, flow_id = await round_one(mcp, token)
@@ -272,7 +273,9 @@ async def test_c3_state_older_than_its_ttl_is_refused_as_expired(
     assert rejection(response)["data"] == {"reason": "expired"}
     assert await flow_row(db, flow_id) == before[0][0]
     assert fresh["resultType"] == "input_required"
-    assert fresh_flow != flow_id
+    assert fresh_flow == flow_id
+    cancelled = await retry(mcp, token, fresh["requestState"], action="cancel")
+    assert tool_result(cancelled)["structuredContent"] == {"status": "cancelled"}
 
 
 async def test_c3_state_just_inside_its_ttl_is_accepted(
@@ -1015,9 +1018,10 @@ async def test_j7_retry_of_a_swept_flow_gets_an_expired_result(
     is the `isError` "expired" outcome, at once; a flow still inside its TTL is left alone."""
     user = fresh_user("j7-client")
     token = token_for(user)
-    stale, _, stale_flow = await round_one(mcp, token)
-    ancient, _, ancient_flow = await round_one(mcp, token)
-    _, _, live_flow = await round_one(mcp, token)
+    calls = {name: {**ARGUMENTS, "scopes": [name]} for name in ("stale", "ancient", "live")}
+    stale, _, stale_flow = await round_one(mcp, token, calls["stale"])
+    ancient, _, ancient_flow = await round_one(mcp, token, calls["ancient"])
+    _, _, live_flow = await round_one(mcp, token, calls["live"])
     now = datetime.now(UTC)
     async with db.begin() as connection:
         for flow_id, expires_at in (
@@ -1029,7 +1033,10 @@ async def test_j7_retry_of_a_swept_flow_gets_an_expired_result(
             )
 
     await _purge(db)
-    answers = [await retry(mcp, token, state["requestState"]) for state in (stale, ancient)]
+    answers = [
+        await retry(mcp, token, state["requestState"], arguments=calls[name])
+        for name, state in (("stale", stale), ("ancient", ancient))
+    ]
 
     assert (await flow_row(db, stale_flow) or {})["status"] == FlowStatus.expired
     assert await flow_row(db, ancient_flow) is None

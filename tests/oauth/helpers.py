@@ -57,10 +57,17 @@ def callback_url(provider: str, **params: str) -> str:
 
 
 async def open_flow(
-    mcp: McpHttp, token: str, provider: str = "github", tool: str = "connect_account"
+    mcp: McpHttp,
+    token: str,
+    provider: str = "github",
+    tool: str = "connect_account",
+    *,
+    scopes: list[str] | None = None,
 ) -> Opened:
     """Round 1 of `tools/call`: the URL elicitation's flow id and the sealed requestState."""
-    arguments = {"provider": provider} if tool == "connect_account" else {}
+    arguments: dict[str, Any] = {"provider": provider} if tool == "connect_account" else {}
+    if scopes is not None:
+        arguments["scopes"] = scopes
     response = await mcp.call_tool(token, tool, arguments)
     assert response.status_code == 200, response.text
     body = response.json()

@@ -498,7 +498,7 @@ async def test_t3_code_minted_for_another_pkce_challenge_is_rejected_and_nothing
     user = unique("cb-t3a")
     token = token_for(user)
     first = await arm(mcp, browser, token, user)
-    second = await open_flow(mcp, token)
+    second = await open_flow(mcp, token, scopes=["gist"])  # another call: a flow of its own
     second_url = await start_at_broker(browser, second.flow_id)
     first_back = await approve_at_provider(browser.http, first.authorize_url)
     second_back = await approve_at_provider(browser.http, second_url)
