@@ -26,14 +26,16 @@ from app.audit import Actor
 from app.auth.jwks import JwksUnavailable, ProviderIssuers
 from app.clock import utcnow
 from app.config import SIGNATURE_ALGORITHMS
+from app.connect import revocations
 from app.connect import service as flows
 from app.connect.notify import FlowNotifier
 from app.connect.service import FlowView
 from app.crypto import Digester, InvalidSeal, Keys, random_token, seal, unseal
-from app.models import FlowStatus
+from app.models import NO_ACCOUNT_ID, FlowStatus
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
 from app.security_log import SecurityLog
+from app.tables import connections as connections_table
 from app.tables import flows as flows_table
 
 logger = logging.getLogger("broker.security")
@@ -210,6 +212,7 @@ class OAuthGrants:
         self,
         session: AsyncSession,
         *,
+        provider: OAuthProviderSettings,
         flow: FlowView,
         tokens: oauth.TokenSet,
         account: oauth.AccountIdentity,
@@ -230,6 +233,7 @@ class OAuthGrants:
         )
         if not won:
             return False
+        await self._revoke_replaced(session, provider, flow, tokens, account)
         await credentials.store(
             session,
             keys=self._keys.sealing,
@@ -245,6 +249,31 @@ class OAuthGrants:
         await self._notifier.publish(session, flow.id)
         self._security.event("credential.stored", flow_id=flow.id)
         return True
+
+    async def _revoke_replaced(
+        self,
+        session: AsyncSession,
+        provider: OAuthProviderSettings,
+        flow: FlowView,
+        tokens: oauth.TokenSet,
+        account: oauth.AccountIdentity,
+    ) -> None:
+        """A new grant of an account the user holds replaces its connection: the replaced token
+        would stay valid at the provider with nobody holding it, so its revocation is queued,
+        due at once, in the same transaction (this token only). Only where the provider revokes
+        one token without ending the new grant with it (`revokes_one_token`), and never when
+        the provider handed back the very token it replaces."""
+        if not provider.revokes_one_token or account.account_id == NO_ACCOUNT_ID:
+            return
+        statement = connections_table.of_account(
+            flow.principal, flow.provider, flow.audience, account.account_id
+        )
+        row = await session.scalar(statement)
+        old = credentials.open_row(row, keys=self._keys.sealing) if row is not None else None
+        if row is None or not old or old.get("access_token") == tokens.access_token:
+            return
+        await revocations.queue(session, row, due_now=True, token_only=True)
+        logger.info("token.replaced flow_id=%s revocation=queued", flow.id)
 
     async def discard(
         self, provider: OAuthProviderSettings, tokens: oauth.TokenSet, *, why: str, about: str

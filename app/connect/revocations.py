@@ -74,11 +74,12 @@ class Claimed:
 
 
 async def queue(
-    session: AsyncSession, row: Connection, *, due_now: bool = False
+    session: AsyncSession, row: Connection, *, due_now: bool = False, token_only: bool = False
 ) -> PendingRevocation:
-    """Queue the revocation of the grant in `row` (being deleted in the same transaction). Its
-    first attempt is the caller's, and the sweep leaves it alone for CLAIM_SECONDS; unless
-    `due_now`: then the next sweep makes it.
+    """Queue the revocation of the grant in `row` (being deleted, or replaced by a new grant of
+    the same account, in the same transaction; `token_only`: this token, whatever else holds the
+    account). Its first attempt is the caller's, and the sweep leaves it alone for
+    CLAIM_SECONDS; unless `due_now`: then the next sweep makes it.
 
     The whole grant is revoked only when no other connection (of any user, through any
     audience) holds the same upstream account: a provider such as GitHub ends every token of
@@ -86,7 +87,7 @@ async def queue(
     before accounts were told apart), only this connection's token is."""
     now = utcnow()
     statement = connections_table.others_of_account(row.id, row.provider, row.account_id)
-    shared = not row.account_id or bool(await session.scalar(statement))
+    shared = token_only or not row.account_id or bool(await session.scalar(statement))
     pending = PendingRevocation(
         issuer=row.issuer,
         subject=row.subject,

@@ -205,7 +205,9 @@ async def _exchange_and_store(
         return
     try:
         account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
-        stored = await grants.complete(session, flow=flow, tokens=tokens, account=account)
+        stored = await grants.complete(
+            session, provider=provider, flow=flow, tokens=tokens, account=account
+        )
         await session.commit()  # stored before the browser is told, or discarded below
     except Exception:
         await grants.discard(provider, tokens, why="not_stored", about=f"flow_id={flow.id}")

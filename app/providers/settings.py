@@ -189,6 +189,13 @@ class OAuthProviderSettings(_Provider):
             self.revocation == "rfc7009" and self.revocation_url is not None
         )
 
+    @property
+    def revokes_one_token(self) -> bool:
+        """The provider can revoke one token and leave the user's other grants alone (GitHub's
+        `/token`). Not RFC 7009 in general: at some providers (Google) revoking any token of a
+        user's grant ends the grant, a new token of the same account with it."""
+        return self.revocation == "github"
+
 
 ProviderSettings = Annotated[
     ApiKeyProviderSettings | OAuthProviderSettings, Field(discriminator="kind")

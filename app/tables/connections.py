@@ -192,6 +192,16 @@ def upsert(dialect: str, values: dict[str, Any]) -> Insert:
     )
 
 
+def of_account(
+    principal: Principal, provider: str, audience: str, account_id: str
+) -> Select[Connection]:
+    """The user's connection of the upstream account `account_id`, locked (PostgreSQL) until the
+    transaction ends: a new grant of that account is about to replace it."""
+    key = (principal.issuer, principal.subject, provider, audience)
+    statement = select(Connection).where(owned(*key), Connection.account_id == account_id)
+    return _locked(statement, for_update=True)
+
+
 def adopt_unidentified(
     principal: Principal, provider: str, audience: str, account_id: str, label: str
 ) -> Update:

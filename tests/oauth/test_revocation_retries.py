@@ -332,3 +332,55 @@ async def test_an_operator_lists_the_revocations_still_to_make(
     assert queued_at < next_at  # ISO 8601 UTC: text order is time order
     assert github_token not in listed.stdout + listed.stderr
     assert sealed not in listed.stdout
+
+
+async def test_a_grant_replacing_a_connection_has_the_replaced_token_revoked(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    runtime: Shared,
+) -> None:
+    """The user grants the same GitHub account again (a step-up to more scopes): the new grant
+    replaces the connection, and the replaced token's revocation is queued with it, due at once:
+    the sweep revokes that token only. It does not stay valid at GitHub with nobody holding it,
+    and the new one, the same account's, keeps working."""
+    fake_github.next_user = fresh_user("replaced-gh")
+    user = fresh_user("replaced")
+    token = token_for(user)
+    await connect(mcp, browser, token, user)
+    replaced = fake_github.issued_access_tokens[-1]
+    await connect(mcp, browser, token, user, {"provider": "github", "scopes": ["repo"]})
+    current = fake_github.issued_access_tokens[-1]
+    grant_revocations = fake_github.grant_revocations
+    queued = await pending_for(db, user)
+
+    await runtime.revoker.sweep()  # the sweep is global: other tests' rows may be due
+
+    assert replaced != current
+    assert queued == [(0, None)]
+    assert await github_answers(fake_github, replaced) == 401
+    assert await github_answers(fake_github, current) == 200
+    assert fake_github.grant_revocations == grant_revocations
+    assert await count_rows(db, "connections", subject=user) == 1
+    assert await pending_for(db, user) == []
+    whoami = await mcp.call_tool(token, "github_whoami", {})
+    assert tool_result(whoami)["structuredContent"]["login"] == fake_github.next_user
+
+
+async def test_a_grant_of_another_account_revokes_nothing(
+    mcp: McpHttp, token_for: Any, browser: Browser, fake_github: FakeGitHub, db: AsyncEngine
+) -> None:
+    """A second account of the provider adds a connection: both tokens stay, nothing is queued."""
+    user = fresh_user("two-accounts")
+    token = token_for(user)
+    fake_github.next_user = fresh_user("work-gh")
+    await connect(mcp, browser, token, user)
+    work = fake_github.issued_access_tokens[-1]
+    fake_github.next_user = fresh_user("home-gh")
+    await connect(mcp, browser, token, user, {"provider": "github", "account": "new"})
+
+    assert await pending_for(db, user) == []
+    assert await github_answers(fake_github, work) == 200
+    assert await count_rows(db, "connections", subject=user) == 2
