@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import re
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx2
@@ -140,7 +140,7 @@ async def login_callback(
         response,
         principal=Principal(settings.identity.issuer, str(claims[identity_claim])),
         display_name=_display_name(claims),
-        auth_time=_auth_time(claims),
+        auth_time=login_auth_time(claims, settings.server.login_max_age_seconds),
         previous_id=request.cookies.get(SESSION_COOKIE),
     )
     return response
@@ -288,8 +288,30 @@ def _display_name(claims: dict[str, Any]) -> str | None:
     return None
 
 
-def _auth_time(claims: dict[str, Any]) -> datetime:
+def login_auth_time(claims: dict[str, Any], max_age_seconds: int) -> datetime:
+    """When the user authenticated at the IdP (`auth_time`; now when the IdP does not say).
+
+    Raises:
+        BadLogin: the IdP answered the request for a fresh authentication (`max_age`) with one
+            older than that: the session would not count, and sending the browser to sign in
+            again would only loop between the broker and the IdP.
+    """
     value = claims.get("auth_time")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return datetime.fromtimestamp(value, tz=utcnow().tzinfo)
-    return utcnow()
+    now = utcnow()
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return now
+    try:
+        authenticated = min(datetime.fromtimestamp(value, tz=UTC), now)
+    except (OverflowError, OSError, ValueError):  # no time at all: a malformed ID token
+        logger.warning("login.auth_time_invalid")
+        raise BadLogin() from None
+    age = now - authenticated
+    if age >= timedelta(seconds=max_age_seconds):
+        logger.warning("login.stale_auth_time age_seconds=%d", int(age.total_seconds()))
+        raise BadLogin(
+            "Your identity provider signed you in with an earlier sign-in, older than this "
+            "service accepts, instead of asking you to sign in again.",
+            next_step="Sign out at your identity provider, then open the link from your MCP "
+            "client again.",
+        )
+    return authenticated
