@@ -430,6 +430,15 @@ class FakeGitHub:
         return JSONResponse(repos)
 
     async def _revoke(self, request: Request) -> Response:
+        try:
+            access_token = (await request.json())["access_token"]
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"message": "Validation Failed"}, status_code=422)
+        if access_token not in self.issued_access_tokens:
+            # A token issued before the last reset: the broker's own housekeeping revoking what
+            # an earlier test left queued. Not this test's revocation, so neither counted nor
+            # subject to its faults; GitHub no longer knows the token.
+            return JSONResponse({"message": "Not Found"}, status_code=404)
         self.revocations += 1
         fault: RevokeFault | None = self._take("revoke_fault")
         if fault == "500":
@@ -438,11 +447,7 @@ class FakeGitHub:
             return JSONResponse({"message": "Service Unavailable"}, status_code=503)
         if request.path_params["client_id"] != self.client_id or not self._client_ok(request):
             return self._bad_credentials()
-        try:
-            access_token = (await request.json())["access_token"]
-        except (ValueError, KeyError, TypeError):
-            return JSONResponse({"message": "Validation Failed"}, status_code=422)
-        token = self._access.pop(access_token, None) if isinstance(access_token, str) else None
+        token = self._access.pop(access_token, None)
         if token is None:
             return JSONResponse({"message": "Not Found"}, status_code=404)
         ended = [token]
