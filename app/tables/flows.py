@@ -16,6 +16,7 @@ from sqlalchemy import (
     Delete,
     Insert,
     Integer,
+    ScalarSelect,
     Select,
     Text,
     Update,
@@ -81,23 +82,24 @@ def is_open() -> ColumnElement[bool]:
     return Flow.status.in_([inline(status) for status in OPEN_FLOW_STATUSES])
 
 
-def _open_count(issuer: Any, subject: Any, audience: Any, now: Any, cap: Any) -> ColumnElement[int]:
+def _counted(
+    conditions: tuple[ColumnElement[bool], ...], up_to: Any, name: str
+) -> ScalarSelect[int]:
+    """How many flows meet `conditions`, counted up to `up_to`: a scalar subquery the insert
+    probes once per new flow (its FROM is its own: the owner comes from the outer statement).
+    Not `NOT EXISTS` for "none": PostgreSQL makes that an anti-join, and the generic plan of the
+    batched insert then joined the whole table (a batch took 20 ms, not 2, at the 90th
+    percentile)."""
+    found = select(inline(1)).where(*conditions).limit(up_to).correlate_except(Flow)
+    return select(func.count()).select_from(found.subquery(name)).scalar_subquery()
+
+
+def _open_count(issuer: Any, subject: Any, audience: Any, now: Any, cap: Any) -> ScalarSelect[int]:
     """How many unexpired open flows the owner has for `audience`, counted up to `cap` from the
     owner index alone. Per audience: a sibling service's flows never use up the places of the
     user's MCP client, nor another service's."""
-    found = (
-        select(inline(1))
-        .where(
-            Flow.issuer == issuer,
-            Flow.subject == subject,
-            Flow.audience == audience,
-            is_open(),
-            Flow.expires_at > now,
-        )
-        .limit(cap)
-        .correlate_except(Flow)  # a subquery in FROM: the owner comes from the outer statement
-    )
-    return select(func.count()).select_from(found.subquery("open_flows")).scalar_subquery()
+    owner = (Flow.issuer == issuer, Flow.subject == subject, Flow.audience == audience)
+    return _counted((*owner, is_open(), Flow.expires_at > now), cap, "open_flows")
 
 
 def _same_call_open(new: dict[str, Any]) -> tuple[ColumnElement[bool], ...]:
@@ -110,13 +112,8 @@ def _same_call_open(new: dict[str, Any]) -> tuple[ColumnElement[bool], ...]:
     )
 
 
-def _no_flow_where(conditions: tuple[ColumnElement[bool], ...]) -> ColumnElement[bool]:
-    """No flow meets `conditions`: a scalar subquery probed once per new flow through the owner
-    index. Not `NOT EXISTS`: PostgreSQL makes that an anti-join, and the generic plan of the
-    batched insert then joined the whole table (a batch took 20 ms, not 2, at the 90th
-    percentile)."""
-    found = select(inline(1)).where(*conditions).limit(1).correlate_except(Flow)
-    return select(func.count()).select_from(found.subquery("same_call")).scalar_subquery() == 0
+def _none_of_the_same_call(new: dict[str, Any]) -> ColumnElement[bool]:
+    return _counted(_same_call_open(new), 1, "same_call") == 0
 
 
 def _insert_capped(
@@ -144,7 +141,7 @@ def insert_one() -> Insert:
     new |= {name: bindparam(name, type_=UtcDateTime()) for name in (*NEW_TIMES, "reuse_after")}
     cap = bindparam("max_open", type_=Integer)
     opened = _open_count(new["issuer"], new["subject"], new["audience"], new["created_at"], cap)
-    return _insert_capped(new, and_(opened < cap, _no_flow_where(_same_call_open(new))))
+    return _insert_capped(new, and_(opened < cap, _none_of_the_same_call(new)))
 
 
 def reusable_one() -> Rows:
@@ -190,7 +187,7 @@ def insert_many() -> Insert:
     opened = _open_count(
         calls.c.issuer, calls.c.subject, calls.c.audience, calls.c.created_at, calls.c.max_open
     )
-    allowed = and_(opened + earlier < calls.c.max_open, _no_flow_where(_same_call_open(new)))
+    allowed = and_(opened + earlier < calls.c.max_open, _none_of_the_same_call(new))
     inserted = _insert_capped(new, allowed, calls)
     return inserted.returning(
         Flow.id, Flow.issuer, Flow.subject, Flow.provider, Flow.audience, Flow.created_at
