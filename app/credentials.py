@@ -79,7 +79,7 @@ class SealedSecret(Protocol):
     @property
     def id(self) -> int: ...
     @property
-    def account_id(self) -> str | None: ...  # None: a revocation's copy, not checked
+    def account_id(self) -> str: ...  # NO_ACCOUNT_ID on a revocation queued before it was kept
     @property
     def issuer(self) -> str: ...
     @property
@@ -99,8 +99,6 @@ class SealedRow(SealedSecret, Protocol):
     def scopes(self) -> str: ...
     @property
     def account_label(self) -> str | None: ...
-    @property
-    def account_id(self) -> str: ...
     @property
     def expires_at(self) -> datetime | None: ...
 
@@ -191,7 +189,8 @@ async def find_by_id(
 
 def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
     """The row's secret fields, or None (logged) when no configured key opens them, or when
-    they were sealed for another account than the connection's."""
+    they were sealed for another account than the row's (not checked on a revocation queued
+    before revocations named their account)."""
     purpose = _purpose(row.issuer, row.subject, row.provider, row.audience)
     try:
         secret = jsonbytes.loads(unseal(row.sealed_credential, purpose=purpose, keys=keys))
@@ -203,7 +202,8 @@ def open_row(row: SealedSecret, *, keys: Keyring) -> dict[str, str] | None:
         )
         return None
     bound = secret.pop(BOUND_ACCOUNT, None)
-    if bound is not None and row.account_id is not None and bound != row.account_id:
+    unnamed = isinstance(row, PendingRevocation) and row.account_id == NO_ACCOUNT_ID
+    if bound is not None and not unnamed and bound != row.account_id:
         logger.warning(
             "credential.decrypt_failed provider=%s %s=%s reason=account",
             row.provider,

@@ -167,6 +167,7 @@ def build_shared(settings: Settings, registry: ToolRegistry) -> Shared:
         sealing=keys.sealing,
         providers=settings.providers,
         grants=grants,
+        revoker=revoker,
         # half of the pool (pool_size + as many overflow): a slow provider never takes it all
         call_slots=asyncio.Semaphore(settings.database.pool_size),
         security=security,

@@ -205,18 +205,15 @@ class PendingRevocation(Base):
     audience: Mapped[str] = mapped_column(String(64))
     sealed_credential: Mapped[str] = mapped_column(Text)  # unsealed only in app/credentials.py
     key_id: Mapped[str] = mapped_column(String(32))
-    # False: revoke this token only, as another connection of the same upstream account remains
-    # (where the provider tells the two apart: GitHub's grant ends every token of the account)
+    # False: revoke this token only (it replaced another of the same account, or the account is
+    # not known); each attempt narrows it further while a connection holds the account
     whole_grant: Mapped[bool] = mapped_column(Boolean, server_default=true())
+    # the upstream account (NO_ACCOUNT_ID: not known), for the attempt's check of its holders
+    account_id: Mapped[str] = mapped_column(String(255), server_default=NO_ACCOUNT_ID)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(String(64))
     next_attempt_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
-
-    @property
-    def account_id(self) -> None:
-        """A revocation keeps the sealed copy it was given: its account is not checked."""
-        return None
 
     def __repr__(self) -> str:
         return f"PendingRevocation(id={self.id}, provider={self.provider!r})"

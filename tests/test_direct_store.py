@@ -810,12 +810,12 @@ def test_the_open_flow_cap_is_counted_from_the_owner_index_alone(sqlite_database
     ], details
 
 
-def test_another_connection_of_an_account_is_found_from_an_index(
+def test_a_connection_of_an_account_is_found_from_an_index(
     sqlite_database: Database,
 ) -> None:
-    """Every removal asks whether another connection holds the same upstream account (the scope
-    of its revocation): that must not read the whole table."""
-    statement = connections_table.others_of_account(5, "github", "123")
+    """Every revocation asks whether a connection holds its upstream account (how far it may
+    reach): that must not read the whole table."""
+    statement = connections_table.holds_account("github", "123")
     sql = str(statement.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
     with contextlib.closing(sqlite3.connect(sqlite_path(sqlite_database.url))) as connection:
         details = [row[3] for row in connection.execute("EXPLAIN QUERY PLAN " + sql)]

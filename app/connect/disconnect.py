@@ -27,7 +27,9 @@ logger = logging.getLogger("broker.providers")
 @dataclass(frozen=True)
 class Disconnected:
     existed: bool
-    revoked_upstream: bool  # False when the provider has no revocation or it failed
+    # False when the provider has no revocation, it failed, or another connection of the same
+    # upstream account holds the grant (app/connect/revocations.py `reach`)
+    revoked_upstream: bool
     upstream_failed: bool  # the provider did not confirm: the broker keeps trying
     # several accounts and none named: nothing was deleted; these are their names
     choose_from: tuple[str, ...] = ()
@@ -79,7 +81,8 @@ async def disconnect(
         return Disconnected(existed=True, revoked_upstream=False, upstream_failed=False)
     claimed = revocations.Claimed.of(pending, secret)
     failure = await revoker.attempt(claimed)
-    if failure is not None:
+    kept = failure == revocations.HELD_ELSEWHERE  # another connection holds the grant
+    if failure is not None and not kept:
         logger.warning("oauth.revocation_failed provider=%s reason=%s", provider, failure)
     try:
         await revoker.settle(session, claimed, failure)
@@ -89,5 +92,7 @@ async def disconnect(
             "revocation.settle_failed provider=%s error=%s", provider, type(exc).__name__
         )
     return Disconnected(
-        existed=True, revoked_upstream=failure is None, upstream_failed=failure is not None
+        existed=True,
+        revoked_upstream=failure is None,
+        upstream_failed=failure is not None and not kept,
     )

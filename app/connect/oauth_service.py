@@ -275,25 +275,6 @@ class OAuthGrants:
         await revocations.queue(session, row, due_now=True, token_only=True)
         logger.info("token.replaced flow_id=%s revocation=queued", flow.id)
 
-    async def discard(
-        self, provider: OAuthProviderSettings, tokens: oauth.TokenSet, *, why: str, about: str
-    ) -> None:
-        """Revoke tokens the provider issued that the broker will not keep (`why`: their ID
-        token failed its checks, the flow moved on, storing them failed, the connection they
-        refreshed changed meanwhile; `about`: the flow or connection, for the log), so that none
-        stays valid at the provider with nobody holding it. This token only, never the account's
-        whole grant (another connection may hold the account: app/connect/revocations.py). Once,
-        at once, and never raising: nothing is queued, as the database may be what failed."""
-        if not provider.revokes:
-            logger.warning("token.discarded %s why=%s revoked=no reason=not_revocable", about, why)
-            return
-        try:
-            await oauth.revoke(provider, self.http, tokens.secret(), whole_grant=False)
-        except oauth.UpstreamError as exc:
-            logger.warning("token.discarded %s why=%s revoked=no reason=%s", about, why, exc.reason)
-            return
-        logger.info("token.discarded %s why=%s revoked=yes", about, why)
-
     async def provider_refused(self, session: AsyncSession, *, flow: FlowView, error: str) -> None:
         """The provider sent the browser back with `error=` (state and session already checked).
 

@@ -31,6 +31,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.idle import UsageLog
 from app.connect.oauth_service import OAuthGrants
+from app.connect.revocations import Revoker
 from app.credentials import Credential
 from app.crypto import Keyring
 from app.db import POOL_TIMEOUT_SECONDS
@@ -117,6 +118,7 @@ class UsableCredentials:
         sealing: Keyring,
         providers: Mapping[str, ProviderSettings],
         grants: OAuthGrants,
+        revoker: Revoker,
         call_slots: asyncio.Semaphore,
         security: SecurityLog,
         usage: UsageLog | None = None,
@@ -126,6 +128,7 @@ class UsableCredentials:
         self._sealing = sealing
         self._providers = providers
         self._grants = grants
+        self._revoker = revoker
         self._call_slots = call_slots
         self._security = security
         self._usage = usage if usage is not None else UsageLog()
@@ -226,8 +229,12 @@ class UsableCredentials:
                 session, row, secret, new_secret, tokens, expires_at
             )
             if stored is None:
-                await self._grants.discard(
-                    settings, tokens, why="connection_changed", about=f"connection={connection_id}"
+                await self._revoker.discard(
+                    provider,
+                    tokens,
+                    account_id=row.account_id,
+                    why="connection_changed",
+                    about=f"connection={connection_id}",
                 )
                 return None
             await self._record(session, "credential.refreshed", stored)

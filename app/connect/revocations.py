@@ -9,6 +9,13 @@ with a `revocation.abandoned` security event, for an operator to revoke it by ha
 is claimed by moving `next_attempt_at` CLAIM_SECONDS ahead in one conditional UPDATE, so with many
 replicas one process makes it; no database connection is held while a provider answers
 (SECURITY.md T21).
+
+How far a revocation reaches is decided when it is made (`Revoker.reach`), not when it was
+queued: while a connection (of any user, through any audience) holds the same upstream account,
+it revokes this token alone where the provider tells a token from the grant (GitHub), and
+nothing where revoking any token ends the user's whole grant (RFC 7009 at Google), as that
+would end the other connection too. Tokens the broker obtained but will not keep follow the same
+rule (`Revoker.discard`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import Enum
 
 import httpx2
 from sqlalchemy import delete, func, select, update
@@ -28,8 +36,9 @@ from app import audit, credentials
 from app.auth.principal import Principal
 from app.clock import doubling_delay, utcnow
 from app.crypto import Keyring
+from app.errors import DATABASE_ERRORS
 from app.metrics import RevocationBacklog
-from app.models import Connection, PendingRevocation
+from app.models import NO_ACCOUNT_ID, Connection, PendingRevocation
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings, ProviderSettings
 from app.security_log import SecurityLog
@@ -46,6 +55,19 @@ SWEEP_BATCH = 20
 # Failures no later attempt can cure: the grant is given up at once.
 NOT_CONFIGURED = "provider_not_configured"
 UNREADABLE = "credential_unreadable"
+# Not a failure, and final: a connection holds the account, and revoking would end its grant.
+HELD_ELSEWHERE = "account_held_elsewhere"
+# Whether a connection holds the account could not be read: the sweep asks again.
+HOLDERS_UNREAD = "account_holders_unread"
+
+
+class Reach(Enum):
+    """How far revoking a token of an upstream account may go now."""
+
+    GRANT = "grant"  # no connection holds the account: its whole grant
+    # this token alone: the provider revokes it without ending the grant
+    TOKEN = "token"  # noqa: S105 (a name, not a secret)
+    NOTHING = "nothing"  # a connection holds the account, and any token's revocation ends it
 
 
 @dataclass(frozen=True)
@@ -58,7 +80,8 @@ class Claimed:
     secret: dict[str, str] | None = field(repr=False)
     principal: Principal | None = None  # whose grant (for the audit event of its outcome)
     audience: str | None = None
-    whole_grant: bool = True  # False: this token only (another connection holds the account)
+    whole_grant: bool = True  # False: this token only, whoever holds the account
+    account_id: str = NO_ACCOUNT_ID  # the upstream account, if known
 
     @classmethod
     def of(cls, row: PendingRevocation, secret: dict[str, str] | None) -> Claimed:
@@ -70,6 +93,7 @@ class Claimed:
             Principal(row.issuer, row.subject),
             row.audience,
             row.whole_grant,
+            row.account_id,
         )
 
 
@@ -77,17 +101,11 @@ async def queue(
     session: AsyncSession, row: Connection, *, due_now: bool = False, token_only: bool = False
 ) -> PendingRevocation:
     """Queue the revocation of the grant in `row` (being deleted, or replaced by a new grant of
-    the same account, in the same transaction; `token_only`: this token, whatever else holds the
-    account). Its first attempt is the caller's, and the sweep leaves it alone for
-    CLAIM_SECONDS; unless `due_now`: then the next sweep makes it.
-
-    The whole grant is revoked only when no other connection (of any user, through any
-    audience) holds the same upstream account: a provider such as GitHub ends every token of
-    the account with its grant. Otherwise, and when the account is not known (a connection made
-    before accounts were told apart), only this connection's token is."""
+    the same account, in the same transaction; `token_only`: this token alone). Its first attempt
+    is the caller's, and the sweep leaves it alone for CLAIM_SECONDS; unless `due_now`: then the
+    next sweep makes it. Each attempt decides how far it reaches (`Revoker.reach`); a connection
+    made before accounts were told apart (no `account_id`) revokes its token alone."""
     now = utcnow()
-    statement = connections_table.others_of_account(row.id, row.provider, row.account_id)
-    shared = token_only or not row.account_id or bool(await session.scalar(statement))
     pending = PendingRevocation(
         issuer=row.issuer,
         subject=row.subject,
@@ -95,7 +113,8 @@ async def queue(
         audience=row.audience,
         sealed_credential=row.sealed_credential,  # sealed for the same owner, provider, audience
         key_id=row.key_id,
-        whole_grant=not shared,
+        whole_grant=not token_only and row.account_id != NO_ACCOUNT_ID,
+        account_id=row.account_id,
         attempts=0,
         next_attempt_at=now if due_now else now + timedelta(seconds=CLAIM_SECONDS),
         created_at=now,
@@ -184,26 +203,88 @@ class Revoker:
         """The provider's settings if it can revoke a grant, else None."""
         return revocable(self._providers, provider)
 
+    async def reach(
+        self, settings: OAuthProviderSettings, provider: str, account_id: str | None
+    ) -> Reach:
+        """How far revoking a token of the upstream account `account_id` may go now (the module's
+        docstring says why); None: tokens whose account was never identified (their ID token was
+        refused), which may be any account's. A connection made before accounts were told apart
+        (NO_ACCOUNT_ID) revokes its token alone, as it always has. Whether a connection holds
+        the account is read in a session of its own, ended before any provider is asked.
+
+        Raises:
+            DATABASE_ERRORS: the read failed.
+        """
+        if account_id == NO_ACCOUNT_ID:
+            return Reach.TOKEN
+        held = account_id is None
+        if account_id is not None:
+            async with self._sessionmaker() as session:
+                statement = connections_table.holds_account(provider, account_id)
+                held = bool(await session.scalar(statement))
+        if not held:
+            return Reach.GRANT
+        return Reach.TOKEN if settings.revokes_one_token else Reach.NOTHING
+
     async def attempt(self, claimed: Claimed) -> str | None:
-        """Ask the provider to revoke: None once it confirms, else why not."""
+        """Ask the provider to revoke, as far as `reach` allows: None once it confirms, else
+        why not (HELD_ELSEWHERE: not asked, and nothing is left to do)."""
         settings = self.revocable(claimed.provider)
         if settings is None:
             return NOT_CONFIGURED
         if not claimed.secret:
             return UNREADABLE
+        whole_grant = claimed.whole_grant  # as queued, when the row names no account
+        if claimed.account_id != NO_ACCOUNT_ID:
+            try:
+                reach = await self.reach(settings, claimed.provider, claimed.account_id)
+            except DATABASE_ERRORS:
+                return HOLDERS_UNREAD
+            if reach is Reach.NOTHING:
+                return HELD_ELSEWHERE
+            whole_grant = whole_grant and reach is Reach.GRANT
         try:
-            await oauth.revoke(
-                settings, self._http, claimed.secret, whole_grant=claimed.whole_grant
-            )
+            await oauth.revoke(settings, self._http, claimed.secret, whole_grant=whole_grant)
         except oauth.UpstreamError as exc:
             return exc.reason
         return None
+
+    async def discard(
+        self, provider: str, tokens: oauth.TokenSet, *, account_id: str | None, why: str, about: str
+    ) -> None:
+        """Revoke tokens `provider` issued that the broker will not keep (`why`: their ID token
+        failed its checks, the flow moved on, storing them failed, the connection they refreshed
+        changed meanwhile; `about`: the flow or connection, for the log), so that none stays
+        valid at the provider with nobody holding it: this token alone, as far as `reach`
+        allows (`account_id` None: not identified). Once, at once, and never raising: nothing is
+        queued, as the database may be what failed."""
+        settings = self.revocable(provider)
+        reason: str | None = None
+        if settings is None:
+            reason = "not_revocable"
+        else:
+            try:
+                reach: Reach | None = await self.reach(settings, provider, account_id)
+            except DATABASE_ERRORS:
+                reach = None
+            if reach is None or reach is Reach.NOTHING:
+                reason = HOLDERS_UNREAD if reach is None else HELD_ELSEWHERE
+            else:
+                try:
+                    await oauth.revoke(settings, self._http, tokens.secret(), whole_grant=False)
+                except oauth.UpstreamError as exc:
+                    reason = exc.reason
+        if reason is None:
+            logger.info("token.discarded %s why=%s revoked=yes", about, why)
+        else:
+            logger.warning("token.discarded %s why=%s revoked=no reason=%s", about, why, reason)
 
     async def settle(self, session: AsyncSession, claimed: Claimed, failure: str | None) -> None:
         """Record an attempt's outcome (the caller commits): confirmed and given-up revocations
         leave the queue; others wait for their next attempt."""
         attempts = claimed.attempts + 1
-        if failure not in (None, NOT_CONFIGURED, UNREADABLE) and attempts < MAX_ATTEMPTS:
+        final = (None, NOT_CONFIGURED, UNREADABLE, HELD_ELSEWHERE)
+        if failure not in final and attempts < MAX_ATTEMPTS:
             await session.execute(
                 update(PendingRevocation)
                 .where(PendingRevocation.id == claimed.id)
@@ -227,18 +308,25 @@ class Revoker:
             .where(PendingRevocation.id == claimed.id)
             .execution_options(synchronize_session=False)
         )
+        if failure is None:
+            event = "revocation.confirmed"
+        elif failure == HELD_ELSEWHERE:
+            event = "revocation.skipped"
+        else:
+            event = "revocation.abandoned"
         await audit.record(
             session,
-            "revocation.confirmed" if failure is None else "revocation.abandoned",
+            event,
             actor=audit.BROKER,
             principal=claimed.principal,
             provider=claimed.provider,
             audience=claimed.audience,
             detail=f"attempts={attempts}" + (f" reason={failure}" if failure else ""),
         )
-        if failure is None:
+        if failure is None or failure == HELD_ELSEWHERE:
             logger.info(
-                "revocation.confirmed provider=%s revocation=%d attempts=%d",
+                "%s provider=%s revocation=%d attempts=%d",
+                event,
                 claimed.provider,
                 claimed.id,
                 attempts,

@@ -13,10 +13,12 @@ from app.auth.jwks import JwksUnavailable
 from app.config import Settings
 from app.connect import oauth_service
 from app.connect.oauth_service import CallbackRefused, OAuthGrants
+from app.connect.revocations import Revoker
 from app.connect.service import FlowView
 from app.deps import (
     BrowserSessionsDep,
     OAuthGrantsDep,
+    RevokerDep,
     SecurityDep,
     SessionDep,
     SettingsDep,
@@ -80,6 +82,7 @@ async def callback(
     sessions: BrowserSessionsDep,
     security: SecurityDep,
     grants: OAuthGrantsDep,
+    revoker: RevokerDep,
 ) -> Response:
     try:
         flow, state = await _checked(
@@ -100,7 +103,9 @@ async def callback(
     provider = settings.providers[flow.provider]
     assert isinstance(provider, OAuthProviderSettings)
     try:
-        await _exchange_and_store(session, grants, flow, provider, params["code"], state, verifier)
+        await _exchange_and_store(
+            session, grants, revoker, flow, provider, params["code"], state, verifier
+        )
     except Exception:
         await _release(session, flow)
         raise  # still a bug (or an outage): logged and answered as such
@@ -172,6 +177,7 @@ async def _issuer_ok(
 async def _exchange_and_store(
     session: AsyncSession,
     grants: OAuthGrants,
+    revoker: Revoker,
     flow: FlowView,
     provider: OAuthProviderSettings,
     code: str,
@@ -180,7 +186,8 @@ async def _exchange_and_store(
 ) -> None:
     """Exchange the code, then store the tokens and complete the flow, committed here. Tokens
     obtained but not stored (their ID token refused, the flow moved on meanwhile, or an error
-    while storing them) are revoked at the provider (`OAuthGrants.discard`)."""
+    while storing them) are revoked at the provider as far as that ends no one's connection
+    (`Revoker.discard`)."""
     try:
         target = await grants.endpoints(provider)
         tokens = await oauth.exchange_code(
@@ -196,24 +203,31 @@ async def _exchange_and_store(
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
+    about = f"flow_id={flow.id}"
     try:
         id_claims = await grants.verify_id_token(provider, tokens, state)
     except oauth.UpstreamError as exc:
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
-        await grants.discard(provider, tokens, why=exc.reason, about=f"flow_id={flow.id}")
+        await revoker.discard(flow.provider, tokens, account_id=None, why=exc.reason, about=about)
         return
+    account_id: str | None = None  # until the provider has said which account it is
     try:
         account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
+        account_id = account.account_id
         stored = await grants.complete(
             session, provider=provider, flow=flow, tokens=tokens, account=account
         )
         await session.commit()  # stored before the browser is told, or discarded below
     except Exception:
-        await grants.discard(provider, tokens, why="not_stored", about=f"flow_id={flow.id}")
+        await revoker.discard(
+            flow.provider, tokens, account_id=account_id, why="not_stored", about=about
+        )
         raise
     if not stored:  # the flow's lease ran out and it moved on: nothing was stored
-        await grants.discard(provider, tokens, why="flow_moved_on", about=f"flow_id={flow.id}")
+        await revoker.discard(
+            flow.provider, tokens, account_id=account_id, why="flow_moved_on", about=about
+        )
 
 
 async def _release(session: AsyncSession, flow: FlowView) -> None:

@@ -248,15 +248,13 @@ def remove(connection_id: int) -> Delete:
     return delete(Connection).where(Connection.id == connection_id)
 
 
-def others_of_account(connection_id: int, provider: str, account_id: str) -> Select[tuple[bool]]:
-    """Whether a connection other than `connection_id` holds the same upstream account at
-    `provider`, for any user and through any audience."""
-    others = select(Connection.id).where(
-        Connection.provider == provider,
-        Connection.account_id == account_id,
-        Connection.id != connection_id,
+def holds_account(provider: str, account_id: str) -> Select[tuple[bool]]:
+    """Whether a connection holds the upstream account `account_id` at `provider`, for any user
+    and through any audience (how far revoking one of its tokens may reach)."""
+    holders = select(Connection.id).where(
+        Connection.provider == provider, Connection.account_id == account_id
     )
-    return select(others.exists())
+    return select(holders.exists())
 
 
 def sealed_with_another_key(key_id: str) -> Select[Connection]:

@@ -33,6 +33,7 @@ EVENTS = frozenset(
         "connection.revoked",
         "connection.idle_revoked",
         "revocation.confirmed",
+        "revocation.skipped",
         "revocation.abandoned",
         "service.created",
         "service.revoked",

@@ -42,7 +42,7 @@ from app.db import create_engine, create_sessionmaker
 from app.limits import RateLimits
 from app.metrics import BrokerMetrics
 from app.migrate import upgrade
-from app.models import Connection, ConnectionStatus
+from app.models import NO_ACCOUNT_ID, Connection, ConnectionStatus
 from app.providers.settings import OAuthProviderSettings
 from app.security_log import SecurityLog
 
@@ -137,6 +137,7 @@ class Broker:
             sealing=sealing,
             providers={PROVIDER: SETTINGS},
             grants=grants,
+            revoker=self.revoker(sealing),
             call_slots=asyncio.Semaphore(2),
             security=self.security(),
         )
@@ -150,12 +151,23 @@ class Broker:
             security=self.security(),
         )
 
-    async def connect(self, *, expires_in: timedelta, sealing: Keyring) -> Connection:
-        await self.grant({"access_token": "at1", "refresh_token": "rt1"}, expires_in, sealing)
+    async def connect(
+        self, *, expires_in: timedelta, sealing: Keyring, account_id: str = NO_ACCOUNT_ID
+    ) -> Connection:
+        secret = {"access_token": "at1", "refresh_token": "rt1"}
+        await self.grant(secret, expires_in, sealing, account_id=account_id)
         return await self.row()
 
-    async def grant(self, secret: dict[str, str], expires_in: timedelta, sealing: Keyring) -> None:
-        """Alice's account connected (again) with `secret`, as a completed connect flow does."""
+    async def grant(
+        self,
+        secret: dict[str, str],
+        expires_in: timedelta,
+        sealing: Keyring,
+        *,
+        account_id: str = NO_ACCOUNT_ID,
+    ) -> None:
+        """Alice's account connected (again) with `secret`, as a completed connect flow does
+        (`account_id`: the account's identity at the provider; not known by default)."""
         async with self.sessions.begin() as session:
             await credentials.store(
                 session,
@@ -164,6 +176,8 @@ class Broker:
                 provider=PROVIDER,
                 audience="mcp",
                 secret=secret,
+                account_label="alice@acme.test" if account_id else None,
+                account_id=account_id,
                 expires_at=utcnow() + expires_in,
             )
 
@@ -188,9 +202,13 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
     await asyncio.to_thread(drop_database, url)
 
 
-async def refresh_held_at_the_provider(broker: Broker, sealing: Keyring) -> asyncio.Task[Any]:
+async def refresh_held_at_the_provider(
+    broker: Broker, sealing: Keyring, *, account_id: str = NO_ACCOUNT_ID
+) -> asyncio.Task[Any]:
     """A due connection's refresh, started and waiting for the provider's answer."""
-    row = await broker.connect(expires_in=timedelta(minutes=1), sealing=Keyring.parse((OLD_KEY,)))
+    row = await broker.connect(
+        expires_in=timedelta(minutes=1), sealing=Keyring.parse((OLD_KEY,)), account_id=account_id
+    )
     broker.acme.held = True
     refresh = asyncio.create_task(broker.usable(sealing).use(row))
     async with asyncio.timeout(WAIT):
@@ -317,6 +335,28 @@ async def test_a_new_grant_stored_during_a_refresh_is_not_overwritten(broker: Br
         "access_token": "at-new",
         "refresh_token": "rt-new",
     }
+
+
+async def test_a_refresh_that_lost_to_a_new_grant_of_the_account_leaves_that_grant_alone(
+    broker: Broker,
+) -> None:
+    """The same, with the account known. SQLite's refresh finds the row replaced and discards
+    what it was given; PostgreSQL's new grant waits for the refresh and replaces its tokens.
+    Neither is revoked: at a provider whose revocation of any token ends the user's whole
+    grant (RFC 7009 at Google), that would end the new grant of the same account too."""
+    keys = Keyring.parse((OLD_KEY,))
+    refresh = await refresh_held_at_the_provider(broker, keys, account_id="acme-7")
+
+    new_grant = {"access_token": "at-new", "refresh_token": "rt-new"}
+    granting = asyncio.create_task(
+        broker.grant(new_grant, timedelta(hours=1), keys, account_id="acme-7")
+    )
+    await asyncio.sleep(0.3)
+    broker.acme.release.set()
+    await asyncio.wait_for(asyncio.gather(refresh, granting), WAIT)
+
+    assert credentials.open_row(await broker.row(), keys=keys) == new_grant
+    assert broker.acme.revoked == []
 
 
 async def test_the_row_lock_is_kept_while_a_refresh_still_waits_for_it() -> None:
