@@ -258,15 +258,16 @@ class OAuthGrants:
         tokens: oauth.TokenSet,
         account: oauth.AccountIdentity,
     ) -> None:
-        """A new grant of an account the user holds replaces its connection: the replaced token
-        would stay valid at the provider with nobody holding it, so its revocation is queued,
-        due at once, in the same transaction (this token only). Only where the provider revokes
-        one token without ending the new grant with it (`revokes_one_token`), and never when
-        the provider handed back the very token it replaces."""
+        """A new grant of an account the user holds replaces its connection (or adopts the one
+        made before accounts were told apart): the replaced token would stay valid at the
+        provider with nobody holding it, so its revocation is queued, due at once, in the same
+        transaction (this token only). Only where the provider revokes one token without ending
+        the new grant with it (`revokes_one_token`), and never when the provider handed back
+        the very token it replaces."""
         if not provider.revokes_one_token or account.account_id == NO_ACCOUNT_ID:
             return
-        statement = connections_table.of_account(
-            flow.principal, flow.provider, flow.audience, account.account_id
+        statement = connections_table.replaced_by_grant(
+            flow.principal, flow.provider, flow.audience, account.account_id, account.label
         )
         row = await session.scalar(statement)
         old = credentials.open_row(row, keys=self._keys.sealing) if row is not None else None

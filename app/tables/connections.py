@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import aliased
 
 from app.auth.principal import Principal
-from app.models import Connection
+from app.models import NO_ACCOUNT_ID, Connection
 from app.tables import Rows, inline
 
 PREFIX = "connection_"
@@ -192,33 +192,40 @@ def upsert(dialect: str, values: dict[str, Any]) -> Insert:
     )
 
 
-def of_account(
-    principal: Principal, provider: str, audience: str, account_id: str
+def _adoptable(key: tuple[str, str, str, str], account_id: str, label: str) -> ColumnElement[bool]:
+    """A connection of `key` made before accounts were told apart (empty `account_id`), with the
+    account label of a new grant of `account_id`, while that account is not connected: the
+    grant takes it over (`adopt_unidentified`) rather than adding a second row for it."""
+    other = aliased(Connection)
+    taken = select(other.id).where(owned(*key, table=other), other.account_id == account_id)
+    return and_(
+        Connection.account_id == NO_ACCOUNT_ID,
+        Connection.account_label == label,
+        ~taken.exists(),
+    )
+
+
+def replaced_by_grant(
+    principal: Principal, provider: str, audience: str, account_id: str, label: str | None
 ) -> Select[Connection]:
-    """The user's connection of the upstream account `account_id`, locked (PostgreSQL) until the
-    transaction ends: a new grant of that account is about to replace it."""
+    """The user's connection a new grant of the upstream account `account_id` (labelled
+    `label`) is about to replace: the one of that account, or the unidentified one it adopts.
+    Locked (PostgreSQL) until the transaction ends."""
     key = (principal.issuer, principal.subject, provider, audience)
-    statement = select(Connection).where(owned(*key), Connection.account_id == account_id)
-    return _locked(statement, for_update=True)
+    same = Connection.account_id == account_id
+    replaced = same if label is None else or_(same, _adoptable(key, account_id, label))
+    return _locked(select(Connection).where(owned(*key), replaced), for_update=True)
 
 
 def adopt_unidentified(
     principal: Principal, provider: str, audience: str, account_id: str, label: str
 ) -> Update:
-    """Give a connection made before accounts were told apart (empty `account_id`) the id of a
-    new grant with the same account label, unless that account is already connected: the grant
-    then replaces it rather than adding a second row for the same account."""
+    """Give the unidentified connection a new grant of `account_id` takes over (`_adoptable`)
+    that id: the grant then replaces it."""
     key = (principal.issuer, principal.subject, provider, audience)
-    other = aliased(Connection)
-    taken = select(other.id).where(owned(*key, table=other), other.account_id == account_id)
     return (
         update(Connection)
-        .where(
-            owned(*key),
-            Connection.account_id == "",
-            Connection.account_label == label,
-            ~taken.exists(),
-        )
+        .where(owned(*key), _adoptable(key, account_id, label))
         .values(account_id=account_id)
         .execution_options(synchronize_session=False)
     )

@@ -22,12 +22,14 @@ import time_machine
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import credentials
+from app.auth.principal import Principal
 from app.clock import utcnow
 from app.config import load_settings
 from app.connect import revocations
 from app.main import Shared, build_shared
 from app.mcp.registry import ToolRegistry
-from app.models import BROKER_AUDIENCE, PendingRevocation
+from app.models import BROKER_AUDIENCE, Connection, PendingRevocation
 
 from ..conftest import count_rows
 from ..support.broker import BrokerProcess, cli, serve_replica
@@ -367,6 +369,50 @@ async def test_a_grant_replacing_a_connection_has_the_replaced_token_revoked(
     assert await pending_for(db, user) == []
     whoami = await mcp.call_tool(token, "github_whoami", {})
     assert tool_result(whoami)["structuredContent"]["login"] == fake_github.next_user
+
+
+async def test_a_grant_adopting_a_connection_of_old_has_its_token_revoked(
+    mcp: McpHttp,
+    token_for: Any,
+    browser: Browser,
+    fake_github: FakeGitHub,
+    db: AsyncEngine,
+    runtime: Shared,
+) -> None:
+    """A connection made before accounts were told apart (no upstream account id) is taken over
+    by a new grant of the account with its label: its token, which GitHub never expires, is
+    revoked like any replaced token, not left valid with nobody holding it."""
+    fake_github.next_user = fresh_user("adopted-gh")
+    user = fresh_user("adopted")
+    token = token_for(user)
+    await connect(mcp, browser, token, user)
+    old = fake_github.issued_access_tokens[-1]
+    async with runtime.sessionmaker.begin() as session:  # as it was stored before ids were kept
+        row = (
+            await session.execute(select(Connection).where(Connection.subject == user))
+        ).scalar_one()
+        label, principal = row.account_label, Principal(row.issuer, row.subject)
+        await session.delete(row)
+        await session.flush()
+        await credentials.store(
+            session,
+            keys=runtime.keys.sealing,
+            principal=principal,
+            provider="github",
+            audience=BROKER_AUDIENCE,
+            secret={"access_token": old},
+            account_label=label,
+        )
+    await connect(mcp, browser, token, user, {"provider": "github", "scopes": ["repo"]})
+    current = fake_github.issued_access_tokens[-1]
+    queued = await pending_for(db, user)
+
+    await runtime.revoker.sweep()
+
+    assert queued == [(0, None)]
+    assert await github_answers(fake_github, old) == 401
+    assert await github_answers(fake_github, current) == 200
+    assert await count_rows(db, "connections", subject=user) == 1
 
 
 async def test_a_grant_of_another_account_revokes_nothing(
