@@ -107,6 +107,21 @@ def _purpose(issuer: str, subject: str, provider: str, audience: str) -> str:
     return f"cred:v1|{issuer}|{subject}|{provider}|{audience}"
 
 
+def seal_secret(
+    keys: Keyring,
+    *,
+    principal: Principal,
+    provider: str,
+    audience: str,
+    secret: dict[str, str],
+    account_id: str,
+) -> dict[str, object]:
+    """The `sealed_credential` and `key_id` columns of `secret`, sealed for its owner, provider
+    and audience, and bound to the upstream account `account_id` (`open_row` checks it)."""
+    purpose = _purpose(principal.issuer, principal.subject, provider, audience)
+    return _sealed_values(seal(_sealed_text(secret, account_id), purpose=purpose, keys=keys))
+
+
 def _sealed_text(secret: dict[str, str], account_id: str) -> bytes:
     return json.dumps({**secret, BOUND_ACCOUNT: account_id}).encode()
 
@@ -134,8 +149,6 @@ async def store(
                 principal, provider, audience, account_id, account_label
             )
         )
-    purpose = _purpose(principal.issuer, principal.subject, provider, audience)
-    sealed = seal(_sealed_text(secret, account_id), purpose=purpose, keys=keys)
     now = utcnow()
     values = {
         "issuer": principal.issuer,
@@ -143,8 +156,14 @@ async def store(
         "provider": provider,
         "audience": audience,
         "status": ConnectionStatus.active,
-        "sealed_credential": sealed,
-        "key_id": sealed_key_id(sealed),
+        **seal_secret(
+            keys,
+            principal=principal,
+            provider=provider,
+            audience=audience,
+            secret=secret,
+            account_id=account_id,
+        ),
         "scopes": " ".join(sorted(scopes)),
         "account_label": account_label,
         "account_id": account_id,
@@ -241,13 +260,15 @@ async def replace_tokens(
 ) -> bool:
     """Re-seal a refreshed token set into `row` if the row is as it was read (committed by the
     caller); False when it changed or went meanwhile, and nothing is written."""
-    sealed = seal(
-        _sealed_text(secret, row.account_id),
-        purpose=_purpose(row.issuer, row.subject, row.provider, row.audience),
-        keys=keys,
-    )
     values = {
-        **_sealed_values(sealed),
+        **seal_secret(
+            keys,
+            principal=Principal(row.issuer, row.subject),
+            provider=row.provider,
+            audience=row.audience,
+            secret=secret,
+            account_id=row.account_id,
+        ),
         "scopes": " ".join(sorted(scopes)),
         "expires_at": expires_at,
         "updated_at": utcnow(),
@@ -436,7 +457,7 @@ def _resealed(row: Connection | PendingRevocation, *, keys: Keyring) -> str | No
     except InvalidSeal:
         logger.warning("credential.decrypt_failed %s=%s", _kind(row), row.id)
         return None
-    if row.account_id is not None:  # a connection sealed before the account was bound: bind it
+    if isinstance(row, Connection):  # a connection sealed before the account was bound: bind it
         secret = jsonbytes.loads(plaintext)
         if isinstance(secret, dict) and BOUND_ACCOUNT not in secret:
             plaintext = _sealed_text(secret, row.account_id)

@@ -31,7 +31,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.idle import UsageLog
 from app.connect.oauth_service import OAuthGrants
-from app.connect.revocations import Revoker
+from app.connect.revocations import Issued, Revoker
 from app.credentials import Credential
 from app.crypto import Keyring
 from app.db import POOL_TIMEOUT_SECONDS
@@ -228,18 +228,18 @@ class UsableCredentials:
             stored = await self._write_refreshed(
                 session, row, secret, new_secret, tokens, expires_at
             )
-            if stored is None:
-                await self._revoker.discard(
-                    provider,
-                    tokens,
-                    account_id=row.account_id,
-                    why="connection_changed",
-                    about=f"connection={connection_id}",
-                )
-                return None
-            await self._record(session, "credential.refreshed", stored)
-            credential = credentials.as_credential(stored, new_secret)
-        return credential  # returned only after the commit above
+            if stored is not None:
+                await self._record(session, "credential.refreshed", stored)
+                return credentials.as_credential(stored, new_secret)  # once committed
+            issued = Issued(
+                Principal(row.issuer, row.subject), provider, row.audience, row.account_id
+            )
+        # The connection changed meanwhile: its refreshed tokens are discarded once the row lock
+        # and the pooled connection are given back, not while the provider answers.
+        await self._revoker.discard(
+            issued, tokens, why="connection_changed", about=f"connection={connection_id}"
+        )
+        return None
 
     async def _write_refreshed(
         self,

@@ -71,6 +71,18 @@ class Reach(Enum):
 
 
 @dataclass(frozen=True)
+class Issued:
+    """Whom tokens the broker will not keep were issued for: the owner, provider and audience
+    of the connection they were (or would have been), and the upstream account (None: never
+    identified)."""
+
+    principal: Principal
+    provider: str
+    audience: str
+    account_id: str | None
+
+
+@dataclass(frozen=True)
 class Claimed:
     """A queued revocation this process is attempting now."""
 
@@ -250,21 +262,24 @@ class Revoker:
         return None
 
     async def discard(
-        self, provider: str, tokens: oauth.TokenSet, *, account_id: str | None, why: str, about: str
+        self, issued: Issued, tokens: oauth.TokenSet, *, why: str, about: str
     ) -> None:
-        """Revoke tokens `provider` issued that the broker will not keep (`why`: their ID token
-        failed its checks, the flow moved on, storing them failed, the connection they refreshed
-        changed meanwhile; `about`: the flow or connection, for the log), so that none stays
-        valid at the provider with nobody holding it: this token alone, as far as `reach`
-        allows (`account_id` None: not identified). Once, at once, and never raising: nothing is
-        queued, as the database may be what failed."""
-        settings = self.revocable(provider)
+        """Revoke tokens the provider issued that the broker will not keep (`why`: their ID
+        token failed its checks, the flow moved on, storing them failed, the connection they
+        refreshed changed meanwhile; `about`: the flow or connection, for the log), so that none
+        stays valid at the provider with nobody holding it: this token alone, as far as `reach`
+        allows. A revocation the provider does not confirm is queued, sealed, for the sweep to
+        retry, like a disconnect's. Never raising: when the database is what failed, the
+        outcome is only logged. The caller holds no write transaction (on SQLite, this one
+        would wait for it)."""
+        settings = self.revocable(issued.provider)
         reason: str | None = None
+        queued = False
         if settings is None:
             reason = "not_revocable"
         else:
             try:
-                reach: Reach | None = await self.reach(settings, provider, account_id)
+                reach: Reach | None = await self.reach(settings, issued.provider, issued.account_id)
             except DATABASE_ERRORS:
                 reach = None
             if reach is None or reach is Reach.NOTHING:
@@ -274,10 +289,53 @@ class Revoker:
                     await oauth.revoke(settings, self._http, tokens.secret(), whole_grant=False)
                 except oauth.UpstreamError as exc:
                     reason = exc.reason
+                    queued = await self._queue_discarded(issued, tokens.secret(), exc.reason)
         if reason is None:
             logger.info("token.discarded %s why=%s revoked=yes", about, why)
         else:
-            logger.warning("token.discarded %s why=%s revoked=no reason=%s", about, why, reason)
+            logger.warning(
+                "token.discarded %s why=%s revoked=no reason=%s queued=%s",
+                about,
+                why,
+                reason,
+                "yes" if queued else "no",
+            )
+
+    async def _queue_discarded(self, issued: Issued, secret: dict[str, str], failure: str) -> bool:
+        """Queue the revocation of discarded tokens whose first attempt failed (this token
+        alone, retried as after a disconnect); False when the database refused it."""
+        now = utcnow()
+        account_id = issued.account_id or NO_ACCOUNT_ID
+        sealed = credentials.seal_secret(
+            self.sealing,
+            principal=issued.principal,
+            provider=issued.provider,
+            audience=issued.audience,
+            secret=secret,
+            account_id=account_id,
+        )
+        pending = PendingRevocation(
+            issuer=issued.principal.issuer,
+            subject=issued.principal.subject,
+            provider=issued.provider,
+            audience=issued.audience,
+            **sealed,
+            whole_grant=False,
+            account_id=account_id,
+            attempts=1,
+            last_error=failure[:64],
+            next_attempt_at=now + retry_delay(1),
+            created_at=now,
+        )
+        try:
+            async with self._sessionmaker.begin() as session:
+                session.add(pending)
+        except DATABASE_ERRORS as exc:
+            logger.warning(
+                "revocation.queue_failed provider=%s error=%s", issued.provider, type(exc).__name__
+            )
+            return False
+        return True
 
     async def settle(self, session: AsyncSession, claimed: Claimed, failure: str | None) -> None:
         """Record an attempt's outcome (the caller commits): confirmed and given-up revocations

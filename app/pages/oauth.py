@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -13,7 +15,7 @@ from app.auth.jwks import JwksUnavailable
 from app.config import Settings
 from app.connect import oauth_service
 from app.connect.oauth_service import CallbackRefused, OAuthGrants
-from app.connect.revocations import Revoker
+from app.connect.revocations import Issued, Revoker
 from app.connect.service import FlowView
 from app.deps import (
     BrowserSessionsDep,
@@ -203,31 +205,30 @@ async def _exchange_and_store(
         logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
         await oauth_service.fail(session, flow=flow, reason=exc.reason)
         return
-    about = f"flow_id={flow.id}"
+    issued = Issued(flow.principal, flow.provider, flow.audience, None)
+    why = "not_stored"  # why the tokens are not kept, should any step below fail
     try:
-        id_claims = await grants.verify_id_token(provider, tokens, state)
-    except oauth.UpstreamError as exc:
-        logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
-        await oauth_service.fail(session, flow=flow, reason=exc.reason)
-        await revoker.discard(flow.provider, tokens, account_id=None, why=exc.reason, about=about)
-        return
-    account_id: str | None = None  # until the provider has said which account it is
-    try:
-        account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
-        account_id = account.account_id
-        stored = await grants.complete(
-            session, provider=provider, flow=flow, tokens=tokens, account=account
-        )
-        await session.commit()  # stored before the browser is told, or discarded below
+        try:
+            id_claims = await grants.verify_id_token(provider, tokens, state)
+        except oauth.UpstreamError as exc:
+            logger.warning("token_exchange.failed flow_id=%s reason=%s", flow.id, exc.reason)
+            why, stored = exc.reason, False
+            await oauth_service.fail(session, flow=flow, reason=exc.reason)
+        else:
+            account = await oauth.account_identity(provider, grants.http, tokens, id_claims)
+            issued = replace(issued, account_id=account.account_id)
+            stored = await grants.complete(
+                session, provider=provider, flow=flow, tokens=tokens, account=account
+            )
+            why = "not_stored" if stored else "flow_moved_on"  # the lease ran out meanwhile
+        await session.commit()  # before the browser is told, and before any revocation
     except Exception:
-        await revoker.discard(
-            flow.provider, tokens, account_id=account_id, why="not_stored", about=about
-        )
+        with contextlib.suppress(*DATABASE_ERRORS):  # ends the write (SQLite: hands its turn on)
+            await session.rollback()
+        await revoker.discard(issued, tokens, why=why, about=f"flow_id={flow.id}")
         raise
-    if not stored:  # the flow's lease ran out and it moved on: nothing was stored
-        await revoker.discard(
-            flow.provider, tokens, account_id=account_id, why="flow_moved_on", about=about
-        )
+    if not stored:
+        await revoker.discard(issued, tokens, why=why, about=f"flow_id={flow.id}")
 
 
 async def _release(session: AsyncSession, flow: FlowView) -> None:

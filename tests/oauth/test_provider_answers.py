@@ -420,6 +420,50 @@ async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Cl
     assert await log.shows(f"token.discarded flow_id={flow_id} why=flow_moved_on revoked=yes")
 
 
+async def test_tokens_whose_revocation_failed_are_queued_for_the_sweep(clients: Clients) -> None:
+    """The same, while the provider's revocation endpoint fails: the tokens are not left valid
+    with nobody holding them but queued, sealed, for the housekeeping to revoke later. The
+    callback has committed before it asks: on SQLite the queue's write would otherwise wait for
+    the callback's own write turn until it timed out, and nothing would be queued."""
+    user = fresh_user("moved-on-unrevoked")
+    flow_id, callback_url = await clients.at_callback(user)
+    issued = f"tok_{secrets.token_hex(16)}"
+    clients.provider.token = json_answer({"access_token": issued, "token_type": "bearer"})
+    clients.provider.revocation = Answer(503, "application/json", b"{}")
+    clients.provider.hold.clear()
+    log = clients.log()
+
+    delivering = asyncio.create_task(deliver(clients.browser, callback_url))
+    async with asyncio.timeout(HOLD_SECONDS):
+        while clients.provider.token_calls == 0:
+            await asyncio.sleep(0.02)
+    async with clients.db.begin() as connection:
+        await connection.execute(
+            text("UPDATE flows SET status = 'pending' WHERE id = :id"), {"id": flow_id}
+        )
+    clients.provider.hold.set()
+    callback = await delivering
+
+    assert callback.status_code == 303, callback.text
+    assert [form["token"] for form in clients.provider.revoked] == [issued]
+    assert await log.shows(
+        f"token.discarded flow_id={flow_id} why=flow_moved_on revoked=no"
+        " reason=revocation_status_503 queued=yes"
+    )
+    async with clients.db.connect() as connection:
+        queued = (
+            await connection.execute(
+                text(
+                    "SELECT attempts, last_error, sealed_credential FROM pending_revocations"
+                    " WHERE subject = :user"
+                ),
+                {"user": user},
+            )
+        ).all()
+    assert [(attempts, error) for attempts, error, _ in queued] == [(1, "revocation_status_503")]
+    assert issued not in queued[0][2]
+
+
 async def test_an_expired_token_whose_provider_is_down_asks_to_retry_shortly(
     clients: Clients,
 ) -> None:

@@ -29,7 +29,7 @@ from app.auth.principal import Principal
 from app.clock import utcnow
 from app.connect.disconnect import Disconnected, disconnect
 from app.connect.removal import remove_connection
-from app.connect.revocations import Reach, Revoker
+from app.connect.revocations import Issued, Reach, Revoker
 from app.crypto import Keyring, generate_key
 from app.db import create_engine, create_sessionmaker
 from app.limits import RateLimits
@@ -73,12 +73,15 @@ PROVIDERS = {"googlish": GOOGLISH, "github": GITHUB}
 
 @dataclass
 class Upstream:
-    """Both providers: each request that revokes is recorded as (provider, what, token)."""
+    """Both providers: each request that revokes is recorded as (provider, what, token); while
+    `failing`, each is answered 503 (and still recorded)."""
 
     asked: list[tuple[str, str, str]] = field(default_factory=list)
+    failing: bool = False
 
     async def handle(self, request: httpx2.Request) -> httpx2.Response:
         body = (await request.aread()).decode()
+        status = 503 if self.failing else 200
         if request.url.host == "googlish.test":
             token = parse_qs(body)["token"][0]
             self.asked.append(("googlish", "token", token))
@@ -86,7 +89,7 @@ class Upstream:
             what = request.url.path.rsplit("/", 1)[1]
             self.asked.append(("github", what, json.loads(body)["access_token"]))
         # read as it arrives, as the broker does
-        return httpx2.Response(200, stream=httpx2.ByteStream(b""))
+        return httpx2.Response(status, stream=httpx2.ByteStream(b""))
 
 
 @dataclass
@@ -299,9 +302,8 @@ async def test_tokens_the_broker_will_not_keep_are_revoked_only_where_that_ends_
     if held:
         await broker.connect(ALICE, provider, "mcp", "t-held")
 
-    await broker.revoker.discard(
-        provider, TOKENS, account_id=account_id, why="flow_moved_on", about="flow_id=f1"
-    )
+    issued = Issued(ALICE, provider, "mcp", account_id)
+    await broker.revoker.discard(issued, TOKENS, why="flow_moved_on", about="flow_id=f1")
 
     assert broker.upstream.asked == asked
 
@@ -332,3 +334,29 @@ async def test_a_revocation_queued_before_revocations_named_their_account_is_mad
     await broker.revoker.sweep()
 
     assert broker.upstream.asked == [("github", "grant", "gho-queued-long-ago")]
+
+
+async def test_a_discarded_token_the_provider_did_not_revoke_is_queued_and_revoked_later(
+    broker: Broker,
+) -> None:
+    """GitHub tokens never expire: a discarded one whose revocation failed stayed valid with
+    nobody holding it. It is queued, sealed, and the sweep revokes it once GitHub answers."""
+    broker.upstream.failing = True
+    issued = Issued(ALICE, "github", "mcp", ACCOUNT)
+
+    await broker.revoker.discard(issued, TOKENS, why="flow_moved_on", about="flow_id=f2")
+
+    async with broker.sessions() as session:
+        queued = (await session.execute(select(PendingRevocation))).scalar_one()
+    assert (queued.attempts, queued.last_error) == (1, "revocation_status_503")
+    assert (queued.account_id, queued.whole_grant) == (ACCOUNT, False)
+    assert "t-discarded" not in queued.sealed_credential
+    async with broker.sessions.begin() as session:  # its retry is due
+        await session.execute(update(PendingRevocation).values(next_attempt_at=utcnow()))
+    broker.upstream.failing = False
+
+    assert await broker.revoker.sweep() == 1
+
+    assert broker.upstream.asked == [("github", "token", "t-discarded")] * 2
+    assert await broker.queued() == 0
+    assert await broker.events("revocation.confirmed") == ["attempts=2"]
