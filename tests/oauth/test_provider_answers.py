@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+import httpx2
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -392,17 +393,16 @@ async def test_a_failure_after_the_claim_puts_the_flow_back_to_pending(clients: 
     assert await log.shows(f"token.discarded flow_id={flow_id} why=not_stored revoked=yes")
 
 
-async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Clients) -> None:
-    """The provider answers the code exchange after the flow's lease ran out and the flow moved
-    on (here: back to `pending`, as the housekeeping does): nothing is stored, and the tokens it
-    issued are revoked at once rather than left valid with nobody holding them."""
-    user = fresh_user("moved-on")
+async def exchanged_after_the_flow_moved_on(
+    clients: Clients, user: str
+) -> tuple[str, str, httpx2.Response]:
+    """The provider answers the code exchange only after the flow's lease ran out and the flow
+    moved on (here: back to `pending`, as the housekeeping does): the flow id, the access token
+    the provider issued, and the callback's answer."""
     flow_id, callback_url = await clients.at_callback(user)
     issued = f"tok_{secrets.token_hex(16)}"
     clients.provider.token = json_answer({"access_token": issued, "token_type": "bearer"})
     clients.provider.hold.clear()
-    log = clients.log()
-
     delivering = asyncio.create_task(deliver(clients.browser, callback_url))
     async with asyncio.timeout(HOLD_SECONDS):
         while clients.provider.token_calls == 0:
@@ -412,7 +412,16 @@ async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Cl
             text("UPDATE flows SET status = 'pending' WHERE id = :id"), {"id": flow_id}
         )
     clients.provider.hold.set()
-    callback = await delivering
+    return flow_id, issued, await delivering
+
+
+async def test_tokens_for_a_flow_that_moved_on_meanwhile_are_revoked(clients: Clients) -> None:
+    """Nothing is stored, and the tokens the provider issued are revoked at once rather than
+    left valid with nobody holding them."""
+    user = fresh_user("moved-on")
+    log = clients.log()
+
+    flow_id, issued, callback = await exchanged_after_the_flow_moved_on(clients, user)
 
     assert callback.status_code == 303, callback.text
     assert await count_rows(clients.db, "connections", subject=user) == 0
@@ -426,23 +435,10 @@ async def test_tokens_whose_revocation_failed_are_queued_for_the_sweep(clients: 
     callback has committed before it asks: on SQLite the queue's write would otherwise wait for
     the callback's own write turn until it timed out, and nothing would be queued."""
     user = fresh_user("moved-on-unrevoked")
-    flow_id, callback_url = await clients.at_callback(user)
-    issued = f"tok_{secrets.token_hex(16)}"
-    clients.provider.token = json_answer({"access_token": issued, "token_type": "bearer"})
     clients.provider.revocation = Answer(503, "application/json", b"{}")
-    clients.provider.hold.clear()
     log = clients.log()
 
-    delivering = asyncio.create_task(deliver(clients.browser, callback_url))
-    async with asyncio.timeout(HOLD_SECONDS):
-        while clients.provider.token_calls == 0:
-            await asyncio.sleep(0.02)
-    async with clients.db.begin() as connection:
-        await connection.execute(
-            text("UPDATE flows SET status = 'pending' WHERE id = :id"), {"id": flow_id}
-        )
-    clients.provider.hold.set()
-    callback = await delivering
+    flow_id, issued, callback = await exchanged_after_the_flow_moved_on(clients, user)
 
     assert callback.status_code == 303, callback.text
     assert [form["token"] for form in clients.provider.revoked] == [issued]
