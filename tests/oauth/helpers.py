@@ -20,7 +20,10 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.clock import utcnow
+from app.limits import RateLimits
+from app.metrics import BrokerMetrics
 from app.models import Connection, Flow
+from app.security_log import SecurityLog
 
 from ..support.clients import Browser, McpHttp, flow_id_from, provider_url
 from ..support.schema import validate_response
@@ -33,6 +36,18 @@ class Opened:
     key: str
     flow_id: str
     request_state: str
+
+
+def security_log() -> SecurityLog:
+    """A security log for the broker's objects built in a test's own process, with limits no
+    test reaches."""
+    limits = RateLimits(
+        user_requests_per_minute=600,
+        user_burst=60,
+        failed_auths_per_minute=60,
+        failed_auth_burst=10,
+    )
+    return SecurityLog(limits, BrokerMetrics())
 
 
 def unique(name: str) -> str:

@@ -39,14 +39,13 @@ from app.connect.revocations import Revoker
 from app.credentials import Credential
 from app.crypto import Keyring, Keys, generate_key
 from app.db import create_engine, create_sessionmaker
-from app.limits import RateLimits
-from app.metrics import BrokerMetrics
 from app.migrate import upgrade
 from app.models import NO_ACCOUNT_ID, Connection, ConnectionStatus
 from app.providers.settings import OAuthProviderSettings
 from app.security_log import SecurityLog
 
 from ..support.broker import database_kind, drop_database, fresh_database
+from .helpers import security_log
 
 pytestmark = pytest.mark.both_databases
 
@@ -114,13 +113,7 @@ class Broker:
     http: httpx2.AsyncClient
 
     def security(self) -> SecurityLog:
-        limits = RateLimits(
-            user_requests_per_minute=600,
-            user_burst=60,
-            failed_auths_per_minute=60,
-            failed_auth_burst=10,
-        )
-        return SecurityLog(limits, BrokerMetrics())
+        return security_log()
 
     def usable(self, sealing: Keyring) -> UsableCredentials:
         grants = OAuthGrants(

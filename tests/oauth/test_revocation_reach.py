@@ -32,15 +32,13 @@ from app.connect.removal import remove_connection
 from app.connect.revocations import Issued, Reach, Revoker
 from app.crypto import Keyring, generate_key
 from app.db import create_engine, create_sessionmaker
-from app.limits import RateLimits
-from app.metrics import BrokerMetrics
 from app.migrate import upgrade
 from app.models import NO_ACCOUNT_ID, AuditEvent, Connection, PendingRevocation
 from app.providers import oauth
 from app.providers.settings import OAuthProviderSettings
-from app.security_log import SecurityLog
 
 from ..support.broker import drop_database, fresh_database
+from .helpers import security_log
 
 pytestmark = pytest.mark.both_databases
 
@@ -160,12 +158,6 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
     await asyncio.to_thread(upgrade, url)
     engine = create_engine(url, pool_size=3)
     upstream = Upstream()
-    limits = RateLimits(
-        user_requests_per_minute=600,
-        user_burst=60,
-        failed_auths_per_minute=60,
-        failed_auth_burst=10,
-    )
     async with httpx2.AsyncClient(transport=httpx2.MockTransport(upstream.handle)) as http:
         sessions = create_sessionmaker(engine)
         revoker = Revoker(
@@ -173,7 +165,7 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
             http=http,
             sealing=KEYS,
             sessionmaker=sessions,
-            security=SecurityLog(limits, BrokerMetrics()),
+            security=security_log(),
         )
         yield Broker(sessions, upstream, revoker)
     await engine.dispose()
