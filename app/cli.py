@@ -132,13 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     revoke.set_defaults(handler=admin.service_revoke)
 
     pending = commands.add_parser(
-        "revocations", help="grants disconnected but not yet revoked at their provider"
+        "revocations",
+        help="grants disconnected, and tokens discarded, but not yet revoked at their provider",
     )
     pending_commands = pending.add_subparsers(required=True, metavar="ACTION")
     pending_list = pending_commands.add_parser(
         "list",
         help="one line each, the next due first: id, provider, issuer, subject, attempts, "
-        "last error, next attempt, disconnected at",
+        "last error, next attempt, queued at",
     )
     pending_list.set_defaults(handler=admin.revocations_list)
 
