@@ -189,7 +189,8 @@ class AccountChoice(Base):
 
 
 class PendingRevocation(Base):
-    """A grant a disconnect deleted here but the provider has not yet confirmed revoking.
+    """A grant a disconnect deleted here but the provider has not yet confirmed revoking (or
+    tokens the broker did not keep, whose first revocation failed).
 
     Written in the transaction that deletes the connection, with the connection's sealed tokens
     (same associated data), so a process that stops before the provider answers leaves the work
