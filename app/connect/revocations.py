@@ -241,22 +241,30 @@ class Revoker:
     async def attempt(self, claimed: Claimed) -> str | None:
         """Ask the provider to revoke, as far as `reach` allows: None once it confirms, else
         why not (HELD_ELSEWHERE: not asked, and nothing is left to do)."""
-        settings = self.revocable(claimed.provider)
+        if not claimed.secret:
+            return UNREADABLE if self.revocable(claimed.provider) else NOT_CONFIGURED
+        return await self._revoke(
+            claimed.provider, claimed.secret, claimed.account_id, whole_grant=claimed.whole_grant
+        )
+
+    async def _revoke(
+        self, provider: str, secret: dict[str, str], account_id: str | None, *, whole_grant: bool
+    ) -> str | None:
+        """Revoke `secret` at `provider`, the whole grant only where asked and `reach` allows it
+        (a row naming no account keeps the reach it was queued with): None once the provider
+        confirms, else why not."""
+        settings = self.revocable(provider)
         if settings is None:
             return NOT_CONFIGURED
-        if not claimed.secret:
-            return UNREADABLE
-        whole_grant = claimed.whole_grant  # as queued, when the row names no account
-        if claimed.account_id != NO_ACCOUNT_ID:
-            try:
-                reach = await self.reach(settings, claimed.provider, claimed.account_id)
-            except DATABASE_ERRORS:
-                return HOLDERS_UNREAD
-            if reach is Reach.NOTHING:
-                return HELD_ELSEWHERE
-            whole_grant = whole_grant and reach is Reach.GRANT
         try:
-            await oauth.revoke(settings, self._http, claimed.secret, whole_grant=whole_grant)
+            reach = await self.reach(settings, provider, account_id)
+        except DATABASE_ERRORS:
+            return HOLDERS_UNREAD
+        if reach is Reach.NOTHING:
+            return HELD_ELSEWHERE
+        whole_grant = whole_grant and (reach is Reach.GRANT or account_id == NO_ACCOUNT_ID)
+        try:
+            await oauth.revoke(settings, self._http, secret, whole_grant=whole_grant)
         except oauth.UpstreamError as exc:
             return exc.reason
         return None
@@ -272,34 +280,20 @@ class Revoker:
         retry, like a disconnect's. Never raising: when the database is what failed, the
         outcome is only logged. The caller holds no write transaction (on SQLite, this one
         would wait for it)."""
-        settings = self.revocable(issued.provider)
-        reason: str | None = None
-        queued = False
-        if settings is None:
-            reason = "not_revocable"
-        else:
-            try:
-                reach: Reach | None = await self.reach(settings, issued.provider, issued.account_id)
-            except DATABASE_ERRORS:
-                reach = None
-            if reach is None or reach is Reach.NOTHING:
-                reason = HOLDERS_UNREAD if reach is None else HELD_ELSEWHERE
-            else:
-                try:
-                    await oauth.revoke(settings, self._http, tokens.secret(), whole_grant=False)
-                except oauth.UpstreamError as exc:
-                    reason = exc.reason
-                    queued = await self._queue_discarded(issued, tokens.secret(), exc.reason)
+        secret = tokens.secret()
+        reason = await self._revoke(issued.provider, secret, issued.account_id, whole_grant=False)
         if reason is None:
             logger.info("token.discarded %s why=%s revoked=yes", about, why)
-        else:
-            logger.warning(
-                "token.discarded %s why=%s revoked=no reason=%s queued=%s",
-                about,
-                why,
-                reason,
-                "yes" if queued else "no",
-            )
+            return
+        upstream = reason not in (NOT_CONFIGURED, HELD_ELSEWHERE, HOLDERS_UNREAD)
+        queued = upstream and await self._queue_discarded(issued, secret, reason)
+        logger.warning(
+            "token.discarded %s why=%s revoked=no reason=%s queued=%s",
+            about,
+            why,
+            reason,
+            "yes" if queued else "no",
+        )
 
     async def _queue_discarded(self, issued: Issued, secret: dict[str, str], failure: str) -> bool:
         """Queue the revocation of discarded tokens whose first attempt failed (this token
