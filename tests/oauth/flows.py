@@ -91,13 +91,19 @@ async def connect(
     token: str,
     user: str,
     arguments: dict[str, Any] | None = None,
+    *,
+    retried: bool = True,
 ) -> str:
-    """Make a GitHub connection for `user` end to end; the completed flow's id."""
+    """Make a GitHub connection for `user` end to end; the completed flow's id. Not
+    `retried`: the client never retries the call: the connection is stored, its credential never
+    handed out (so the broker notes no use of it)."""
     arguments = arguments or {"provider": "github"}
     round_one = await elicit(mcp, token, arguments)
     await browser.login_as(user, next_path=f"/connect/{round_one.flow_id}")
     callback = await return_to_broker(browser, await authorize(browser, round_one.flow_id))
     assert callback.status_code == 303, callback.text
+    if not retried:
+        return round_one.flow_id
     retry = await mcp.call_tool(
         token,
         "connect_account",
