@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -93,7 +93,23 @@ def public_jwk(jwk: dict[str, Any]) -> dict[str, Any]:
 # Listening ports are drawn below the kernel's ephemeral range (32768-60999 by default): a port
 # from bind(0) lies inside it, where any outgoing connection (a test's HTTP client, a database
 # connection) may take it as its local port between the check and the server's own bind.
-LISTEN_PORTS = range(20000, 32768)
+ALL_LISTEN_PORTS = range(20000, 32768)
+PORT_SLOTS = 8
+
+
+def listen_ports(environ: Mapping[str, str]) -> range:
+    """This test process's own slice of ALL_LISTEN_PORTS (one of eight: up to four xdist
+    workers on each database). `scripts/test.sh` runs four test processes at once; two drawing
+    from one range could both find a port free and both start a server on it."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return ALL_LISTEN_PORTS
+    slot = (int(worker[2:]) * 2 + (environ.get("BROKER_TEST_DB") == "postgresql")) % PORT_SLOTS
+    size = len(ALL_LISTEN_PORTS) // PORT_SLOTS
+    return range(ALL_LISTEN_PORTS.start + slot * size, ALL_LISTEN_PORTS.start + (slot + 1) * size)
+
+
+LISTEN_PORTS = listen_ports(os.environ)
 _handed_out: set[int] = set()
 
 

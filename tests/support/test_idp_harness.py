@@ -14,6 +14,7 @@ from joserfc.jwk import KeySet
 
 from .http import local_client
 from .idp import (
+    ALL_LISTEN_PORTS,
     IdpConfig,
     IdpError,
     IdpProcess,
@@ -21,6 +22,7 @@ from .idp import (
     discover,
     free_port,
     idp_login,
+    listen_ports,
     mint_token,
     obtain_access_token,
     obtain_tokens,
@@ -403,3 +405,16 @@ async def test_explicit_prompt_consent_is_answered(idp: IdpProcess) -> None:
     assert tokens["scope"] == "openid mcp:tools"
     assert "refresh_token" in tokens
     assert unverified_jwt(tokens["access_token"])[1]["sub"] == "gina"
+
+
+def test_the_four_test_processes_draw_listening_ports_from_disjoint_slices() -> None:
+    slices = [
+        set(listen_ports({"PYTEST_XDIST_WORKER": worker, "BROKER_TEST_DB": database}))
+        for worker in ("gw0", "gw1")
+        for database in ("sqlite", "postgresql")
+    ]
+
+    assert all(len(ports) > 1000 for ports in slices)
+    assert sum(map(len, slices)) == len(set().union(*slices))  # no port in two slices
+    assert set().union(*slices) <= set(ALL_LISTEN_PORTS)
+    assert listen_ports({}) == ALL_LISTEN_PORTS  # one process alone draws from all of them
