@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from app.config import load_serve_settings
 from app.crypto import generate_key
 from app.migrate import upgrade
 
+from . import forked
 from .http import local_get
 from .idp import free_port
 
@@ -190,7 +190,7 @@ class BrokerProcess:
     config_path: Path
     log_path: Path
     database_url: str
-    process: subprocess.Popen[bytes]
+    process: forked.ForkedCommand
 
     @property
     def url(self) -> str:
@@ -271,13 +271,11 @@ class LogWindow:
 def cli(
     *args: str, config_path: Path, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", "--config", str(config_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    """`connect-broker --config CONFIG_PATH ARGS`, forked (tests/support/forked.py)."""
+    return forked.run(
+        ["--config", str(config_path), *args],
         env={**os.environ, **(env or {})},
-        check=False,
+        timeout=timeout,
     )
 
 
@@ -329,23 +327,12 @@ def _launch(
     return broker
 
 
-def _serve(config: BrokerConfig, config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """`connect-broker serve` on the config's port, its output appended to the log."""
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "--config",
-                str(config_path),
-                "serve",
-                "--port",
-                str(config.port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+def _serve(config: BrokerConfig, config_path: Path, log_path: Path) -> forked.ForkedCommand:
+    """`connect-broker serve` on the config's port, forked (tests/support/forked.py), its output
+    appended to the log."""
+    return forked.start(
+        ["--config", str(config_path), "serve", "--port", str(config.port)], stdout=log_path
+    )
 
 
 @contextlib.contextmanager
