@@ -4,10 +4,8 @@ happened and what to do, a non-zero exit code, never a traceback; `migrate` says
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +17,9 @@ from sqlalchemy import text
 from app.db import create_engine
 from app.migrate import alembic_config
 
+from .support import forked
 from .support.broker import BrokerConfig, cli, drop_database, fresh_database
 from .support.idp import free_port
-
-ROOT = Path(__file__).resolve().parents[1]  # this checkout's `app`, whatever the working directory
 
 
 @pytest.fixture
@@ -171,15 +168,7 @@ def test_an_unreadable_config_file_is_one_line(args: tuple[str, ...], tmp_path: 
 
 def cli_in(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`connect-broker ARGS` run in `directory` with no configuration file."""
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=directory,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
-        check=False,
-    )
+    return forked.run(args, cwd=directory)
 
 
 def test_a_file_the_command_needs_is_one_line(tmp_path: Path) -> None:

@@ -39,6 +39,17 @@ PRELOAD = [
     "uvicorn.loops.auto",
     "uvicorn.protocols.http.auto",
     "uvicorn.protocols.websockets.auto",
+    "uvicorn.loops.uvloop",
+    "app.direct.batching",
+    "app.direct.sqlite",
+    "app.direct.postgres",
+    "app.logjson",
+    "anyio._backends._asyncio",
+    "httpcore2",
+    "httpcore2._backends.trio",  # httpx2's transport imports it, trio and all, when first built
+    "truststore",
+    "encodings.idna",
+    "fastapi.telemetry._runtime",
     "tests.support.forked",
 ]
 FORK_SERVER = multiprocessing.get_context("forkserver")

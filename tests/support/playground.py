@@ -1,4 +1,5 @@
-"""Driving `connect-broker dev` and its companion commands as a user would, in subprocesses."""
+"""Driving `connect-broker dev` and its companion commands as a user would, in processes of
+their own (forked: tests/support/forked.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import contextlib
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
+from . import forked
 from .clients import Browser
 from .http import local_get
 
@@ -27,46 +28,36 @@ def cli_env() -> dict[str, str]:
 
 
 def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`connect-broker *args` run in `cwd`, its output captured; the exit code is not checked."""
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=cli_env(),
-    )
+    """`connect-broker *args` run in `cwd` (forked: tests/support/forked.py), its output
+    captured; the exit code is not checked."""
+    return forked.run(args, cwd=cwd, env=cli_env())
 
 
 @contextlib.contextmanager
 def running_dev(cwd: Path, port: int, *args: str) -> Iterator[tuple[str, Path]]:
-    """`connect-broker dev --port PORT *args` in `cwd` until /healthz answers: (URL, its log)."""
+    """`connect-broker dev --port PORT *args` in `cwd` (forked: tests/support/forked.py) until
+    /healthz answers: (URL, its log)."""
     log_path = cwd / "dev.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "dev", "--port", str(port), *args],
-            cwd=cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=cli_env(),
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx2.HTTPError):
-                    if local_get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                if process.poll() is not None:
-                    raise RuntimeError(log_path.read_text())
-                time.sleep(0.1)
-            else:
+    log_path.write_bytes(b"")
+    process = forked.start(
+        ["dev", "--port", str(port), *args], stdout=log_path, cwd=cwd, env=cli_env()
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx2.HTTPError):
+                if local_get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            if process.poll() is not None:
                 raise RuntimeError(log_path.read_text())
-            yield url, log_path
-        finally:
-            process.terminate()
-            process.wait(10)
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(log_path.read_text())
+        yield url, log_path
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 async def dev_login(browser: Browser, user: str, next_path: str) -> httpx2.Response:
