@@ -133,6 +133,8 @@ def run(
     capture_output=True, text=True)`; the exit code is not checked."""
     with tempfile.TemporaryDirectory(prefix="cli-") as directory:
         out, err = Path(directory, "stdout"), Path(directory, "stderr")
+        out.touch()  # read even when the fork ends before it opens them
+        err.touch()
         command = start(args, stdout=out, stderr=err, env=env, cwd=cwd)
         try:
             code = command.wait(timeout)
