@@ -20,7 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from app import audit
+from app import audit, clock_skew
 from app.asgi_route import AsgiRoute
 from app.auth.bearer import TokenVerifier
 from app.auth.browser import BrowserSessions
@@ -406,7 +406,19 @@ async def _housekeeping_forever(shared: Shared) -> None:
         except DATABASE_ERRORS as exc:
             logger.warning("audit.sweep_failed error=%s", type(exc).__name__)
         await _connections_housekeeping(shared)
+        if not is_sqlite(shared.settings.database.url):
+            await _clock_check(shared)
         await asyncio.sleep(HOUSEKEEPING_INTERVAL_SECONDS)
+
+
+async def _clock_check(shared: Shared) -> None:
+    """This process's clock against the database's (app/clock_skew.py); unknown (no gauge) while
+    the database does not answer."""
+    try:
+        shared.metrics.clock_skew_seconds = await clock_skew.check(shared.engine)
+    except DATABASE_ERRORS as exc:
+        shared.metrics.clock_skew_seconds = None
+        logger.warning("clock.check_failed error=%s", type(exc).__name__)
 
 
 async def _connections_housekeeping(shared: Shared) -> None:

@@ -83,6 +83,7 @@ class BrokerMetrics(Collector):
         self.rate_limited: defaultdict[Labels, int] = defaultdict(int)
         self.webhook_deliveries: defaultdict[Labels, int] = defaultdict(int)
         self.webhooks_abandoned: defaultdict[Labels, int] = defaultdict(int)
+        self.clock_skew_seconds: float | None = None  # set by the housekeeping (PostgreSQL)
         self._backlog: RevocationBacklog | None = None
         self._webhook_backlog: Mapping[str, int] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
@@ -189,6 +190,13 @@ class BrokerMetrics(Collector):
             for webhook, count in sorted(self._webhook_backlog.items()):
                 waiting.add_metric((webhook,), count)
             yield waiting
+        if self.clock_skew_seconds is not None:
+            yield GaugeMetricFamily(
+                "broker_clock_skew_seconds",
+                "This process's clock ahead of the database's (behind: negative), as the last "
+                "housekeeping round measured it (PostgreSQL only)",
+                value=self.clock_skew_seconds,
+            )
         if self._backlog is not None:
             yield GaugeMetricFamily(
                 "broker_pending_revocations",
