@@ -36,7 +36,7 @@ from app.db import create_engine
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..support.broker import BrokerProcess, LogWindow
+from ..support.broker import BrokerProcess, LogWindow, drop_database, fresh_database, migrate
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
     IdpProcess,
@@ -849,6 +849,20 @@ async def _purge(db: AsyncEngine) -> tuple[int, int]:
     return await purge(async_sessionmaker(db))
 
 
+@pytest.fixture
+async def unserved_db(workdir: Path) -> AsyncIterator[AsyncEngine]:
+    """A migrated database of the run's kind that no broker serves: a broker sweeps its own
+    database every minute, so what a sweep here finds and counts is the test's alone."""
+    url = fresh_database(workdir, "sweeper")
+    await asyncio.to_thread(migrate, url)
+    engine = create_engine(url, pool_size=2)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        await asyncio.to_thread(drop_database, url)
+
+
 async def _statuses(db: AsyncEngine, subject: str) -> dict[str, int]:
     async with db.connect() as connection:
         rows = await connection.execute(
@@ -862,10 +876,11 @@ async def _statuses(db: AsyncEngine, subject: str) -> dict[str, int]:
 
 
 async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_secrets(
-    db: AsyncEngine,
+    unserved_db: AsyncEngine,
 ) -> None:
     """J7. 1000 open flows past expires_at become `expired` with digest and PKCE verifier nulled;
     a finished flow keeps its status; a day later all of them are deleted."""
+    db = unserved_db
     subject = fresh_user("j7-bulk")
     past = datetime.now(UTC) - timedelta(minutes=1)
     flows = [_bulk_flow(subject, FlowStatus.pending, past) for _ in range(1000)]
@@ -875,7 +890,7 @@ async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_s
 
     expired, _ = await _purge(db)
 
-    assert expired >= 1000
+    assert expired == 1000
     assert await _statuses(db, subject) == {FlowStatus.expired: 1000}
     assert await count_rows(db, "flows", subject=subject, status="completed") == 1
 
@@ -885,19 +900,17 @@ async def test_j7_sweeper_expires_open_flows_past_their_expiry_and_drops_their_s
             .where(Flow.subject == subject)
             .values(expires_at=datetime.now(UTC) - timedelta(days=2))
         )
-    await _purge(db)
-
-    # the count this run deleted is not asserted: the module's broker runs the same sweep on
-    # this database every minute, and when its run lands here first it deletes them instead
+    assert await _purge(db) == (0, 1001)
     assert await count_rows(db, "flows", subject=subject) == 0
 
 
 async def test_j7_sweeper_works_through_a_backlog_in_chunks_of_their_own(
-    db: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+    unserved_db: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """J7 after a flood: a backlog larger than one chunk is worked through in one run, a chunk
     per statement and per transaction, so none of them outlasts the statement timeout or holds
     SQLite's write lock for long."""
+    db = unserved_db
     monkeypatch.setattr(flow_service, "PURGE_CHUNK", 10)
     subject = fresh_user("j7-backlog")
     now = datetime.now(UTC)
@@ -921,13 +934,14 @@ async def test_j7_sweeper_works_through_a_backlog_in_chunks_of_their_own(
     assert len(commits) == 5, commits
 
 
-async def test_j7_sweeper_statements_are_served_by_indexes(db: AsyncEngine) -> None:
+async def test_j7_sweeper_statements_are_served_by_indexes(unserved_db: AsyncEngine) -> None:
     """J7 at volume: the sweeper runs every minute over a table holding a day of flows, so none
     of its statements may read a whole table or a whole index. With flows to expire and to
     delete, each statement it sends (the chunk reads and the writes) is explained on the same
     database: SQLite must SEARCH (an index entered by its leading column), never SCAN;
     PostgreSQL, told to avoid sequential scans, must use indexes whose leading column is in the
     index condition (a condition on a later column alone reads the whole index)."""
+    db = unserved_db
     subject = fresh_user("j7-plans")
     now = datetime.now(UTC)
     async with AsyncSession(db) as session, session.begin():
