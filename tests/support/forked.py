@@ -51,6 +51,7 @@ PRELOAD = [
     "encodings.idna",
     "fastapi.telemetry._runtime",
     "tests.support.forked",
+    "tests.support.forked_freeze",  # last: freezes what the others built
 ]
 FORK_SERVER = multiprocessing.get_context("forkserver")
 FORK_SERVER.set_forkserver_preload(PRELOAD)
