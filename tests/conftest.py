@@ -5,6 +5,7 @@ Run the suite once per database: `BROKER_TEST_DB=sqlite` (default) or `BROKER_TE
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import time
@@ -19,7 +20,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import create_engine
 
 from .support import canary
-from .support.broker import BrokerConfig, BrokerProcess, running_broker
+from .support.broker import (
+    BrokerConfig,
+    BrokerProcess,
+    drop_database,
+    fresh_database,
+    migrate,
+    running_broker,
+)
 from .support.clients import Browser, McpHttp
 from .support.fake_github import FakeGitHub
 from .support.fake_slack import FakeSlack, running_fake_slack
@@ -200,6 +208,21 @@ async def db(broker: BrokerProcess) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(broker.database_url, pool_size=2)
     yield engine
     await engine.dispose()
+
+
+@pytest.fixture
+async def unserved_db(workdir: Path) -> AsyncIterator[AsyncEngine]:
+    """A migrated database of the run's kind that no broker serves. A broker's housekeeping
+    sweeps its own database every minute (flows, audit events, revocations), so a test that
+    counts what its own sweep finds uses this one: the rows and the counts are the test's."""
+    url = fresh_database(workdir, "unserved")
+    await asyncio.to_thread(migrate, url)
+    engine = create_engine(url, pool_size=2)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        await asyncio.to_thread(drop_database, url)
 
 
 async def flow_row(db: AsyncEngine, flow_id: str) -> dict[str, Any] | None:

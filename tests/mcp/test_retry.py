@@ -36,7 +36,7 @@ from app.db import create_engine
 from app.models import Flow, FlowStatus
 
 from ..conftest import DEMO_PROVIDER, count_rows, flow_row
-from ..support.broker import BrokerProcess, LogWindow, drop_database, fresh_database, migrate
+from ..support.broker import BrokerProcess, LogWindow
 from ..support.clients import Browser, McpHttp, flow_id_from, request_body
 from ..support.idp import (
     IdpProcess,
@@ -847,20 +847,6 @@ def _bulk_flow(subject: str, status: str, expires_at: datetime) -> Flow:
 
 async def _purge(db: AsyncEngine) -> tuple[int, int]:
     return await purge(async_sessionmaker(db))
-
-
-@pytest.fixture
-async def unserved_db(workdir: Path) -> AsyncIterator[AsyncEngine]:
-    """A migrated database of the run's kind that no broker serves: a broker sweeps its own
-    database every minute, so what a sweep here finds and counts is the test's alone."""
-    url = fresh_database(workdir, "sweeper")
-    await asyncio.to_thread(migrate, url)
-    engine = create_engine(url, pool_size=2)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
-        await asyncio.to_thread(drop_database, url)
 
 
 async def _statuses(db: AsyncEngine, subject: str) -> dict[str, int]:
