@@ -22,15 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx2
-
 from app import admin_commands
 from app.config import load_serve_settings
 from app.crypto import generate_key
 from app.migrate import upgrade
 
 from . import forked
-from .http import local_get
 from .idp import free_port
 
 T = TypeVar("T")
@@ -218,16 +215,11 @@ class BrokerProcess:
 
     def wait_until_serving(self) -> None:
         """Return once /healthz answers; a process that exits or never answers is an error."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"broker exited: {self.log()}")
-            with contextlib.suppress(httpx2.HTTPError):
-                if local_get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"broker did not start: {self.log()}")
+        try:
+            self.process.wait_until_serving(self.url, self.log_path, START_TIMEOUT, "broker")
+        except RuntimeError:
+            self.stop()  # if it still runs
+            raise
 
     def kill(self) -> None:
         """SIGKILL: no shutdown work, as in a crash or an OOM kill."""

@@ -22,9 +22,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+
+import httpx2
+
+from .http import local_get
 
 # What `serve`, `migrate` and the operator commands import, so that a fork imports nothing.
 PRELOAD = [
@@ -71,10 +76,6 @@ class ForkedCommand:
         assert pid is not None
         return pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
     def poll(self) -> int | None:
         return self._process.exitcode
 
@@ -94,6 +95,19 @@ class ForkedCommand:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def wait_until_serving(self, url: str, log: Path, timeout: float, name: str) -> None:
+        """Return once `url`/healthz answers 200; RuntimeError with the log, naming the command
+        `name`, if it ends first or does not answer within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.poll() is not None:
+                raise RuntimeError(f"{name} exited: {log.read_text(errors='replace')}")
+            with contextlib.suppress(httpx2.HTTPError):
+                if local_get(f"{url}/healthz", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not start: {log.read_text(errors='replace')}")
 
 
 def start(

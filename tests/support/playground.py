@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -16,7 +15,6 @@ import httpx2
 
 from . import forked
 from .clients import Browser
-from .http import local_get
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 START_TIMEOUT = 30
@@ -44,16 +42,7 @@ def running_dev(cwd: Path, port: int, *args: str) -> Iterator[tuple[str, Path]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx2.HTTPError):
-                if local_get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            if process.poll() is not None:
-                raise RuntimeError(log_path.read_text())
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(log_path.read_text())
+        process.wait_until_serving(url, log_path, START_TIMEOUT, "connect-broker dev")
         yield url, log_path
     finally:
         process.terminate()

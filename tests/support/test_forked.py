@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import signal
-import time
 from pathlib import Path
 
-import httpx2
-
 from . import forked
-from .http import local_get
 from .idp import free_port
 
 
@@ -45,13 +40,11 @@ def test_output_and_the_exit_code_are_the_commands(tmp_path: Path) -> None:
 
 
 def test_a_running_command_is_killed_and_its_end_seen(tmp_path: Path) -> None:
+    log = tmp_path / "dev.log"
     port = free_port()
-    command = forked.start(["dev", "--port", str(port)], stdout=tmp_path / "dev.log", cwd=tmp_path)
+    command = forked.start(["dev", "--port", str(port)], stdout=log, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while not serves(f"http://127.0.0.1:{port}/healthz") and time.monotonic() < deadline:
-            assert command.poll() is None, (tmp_path / "dev.log").read_text()
-            time.sleep(0.1)
+        command.wait_until_serving(f"http://127.0.0.1:{port}", log, 30, "dev")
         assert command.poll() is None
         assert command.pid != os.getpid()
     finally:
@@ -59,9 +52,3 @@ def test_a_running_command_is_killed_and_its_end_seen(tmp_path: Path) -> None:
 
     assert command.wait(10) == -signal.SIGKILL
     command.kill()  # after its end: nothing to signal, no error
-
-
-def serves(url: str) -> bool:
-    with contextlib.suppress(httpx2.HTTPError):
-        return local_get(url, timeout=1).status_code == 200
-    return False
