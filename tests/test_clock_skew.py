@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import time_machine
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import clock_skew
@@ -22,10 +20,10 @@ from app.metrics import BrokerMetrics
 from .support.broker import PG_ADMIN, database_kind
 from .support.http import local_client
 from .support.stack import Stack, running_stack
+from .test_metrics import SCRAPE_TOKEN, scrape
 
 pytestmark = pytest.mark.both_databases  # the broker measures on PostgreSQL only
 
-SCRAPE_TOKEN = secrets.token_hex(32)
 GAUGE = "broker_clock_skew_seconds"
 
 
@@ -101,20 +99,8 @@ async def test_the_housekeeping_shows_the_skew_on_postgresql_only(stack: Stack) 
     found: float | None = None
     async with local_client(timeout=10) as http:
         for _ in range(50):
-            scrape = await http.get(
-                f"{stack.broker.url}/metrics",
-                headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"},
-            )
-            assert scrape.status_code == 200, scrape.text
-            found = next(
-                (
-                    sample.value
-                    for family in text_string_to_metric_families(scrape.text)
-                    for sample in family.samples
-                    if sample.name == GAUGE
-                ),
-                None,
-            )
+            _, samples = await scrape(http, stack.broker)
+            found = samples.get((GAUGE, frozenset()))
             if found is not None or database_kind() == "sqlite":
                 break
             await asyncio.sleep(0.1)
