@@ -76,6 +76,10 @@ class ForkedCommand:
         assert pid is not None
         return pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
     def poll(self) -> int | None:
         return self._process.exitcode
 
